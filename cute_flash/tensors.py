@@ -1,0 +1,47 @@
+"""How tensors cross into compiled kernels.
+
+Kernels are compiled once per compile key against *fake* tensors whose batch, sequence and
+head extents and strides are symbolic, so one compiled kernel serves every size. At call time
+real tensors (anything speaking DLPack) are converted to CuTe tensors with the same dynamic
+layout. The head dimension is the one static extent (stride 1); every other stride must be a
+multiple of 8 elements (16 bytes) so 128-bit vector copies stay legal.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import from_dlpack, make_fake_tensor
+
+VECTOR_BYTES = 16
+
+
+def _sym_extent() -> cute.typing.SymInt:
+    return cute.sym_int32()
+
+
+def _sym_stride(dtype: type[cutlass.Numeric]) -> cute.typing.SymInt:
+    return cute.sym_int64(divisibility=VECTOR_BYTES * 8 // dtype.width)
+
+
+def fake_bshd(dtype: type[cutlass.Numeric], head_dim: int) -> cute.Tensor:
+    """A (batch, seqlen, nheads, head_dim) operand: q, k, v, out and their gradients."""
+    shape = (_sym_extent(), _sym_extent(), _sym_extent(), head_dim)
+    stride = (_sym_stride(dtype), _sym_stride(dtype), _sym_stride(dtype), 1)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=VECTOR_BYTES)
+
+
+def fake_rowstat(dtype: type[cutlass.Numeric] = cutlass.Float32) -> cute.Tensor:
+    """A (batch, nheads, seqlen) per-row statistic such as the log-sum-exp."""
+    shape = (_sym_extent(), _sym_extent(), _sym_extent())
+    stride = (cute.sym_int64(), cute.sym_int64(), 1)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=4)
+
+
+def fake_stream():
+    return cute.runtime.make_fake_stream()
+
+
+def to_cute(tensor, *, align: int = VECTOR_BYTES) -> cute.Tensor:
+    """A DLPack tensor as a CuTe tensor whose layout matches the fake tensors above."""
+    return from_dlpack(tensor, assumed_align=align).mark_layout_dynamic(leading_dim=tensor.ndim - 1)
