@@ -1,0 +1,100 @@
+"""Which kernel serves a call: architecture → kernel class → tiles → compile key.
+
+The sm80 kernels serve sm_80/86/89 and every newer GPU without a specialized kernel; on sm_90 the
+Hopper kernel takes the cases it can implement. `CUTE_FLASH_KERNEL_ARCH=sm80` forces the sm80
+family on any GPU (to test or benchmark that path on a Hopper card).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import cutlass
+import torch
+
+from . import cache
+from .errors import UnsupportedDtypeError
+from .tensors import fake_bshd, fake_rowstat, fake_stream
+
+CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+_TARGETS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
+
+
+def target_arch_for(capability: tuple[int, int]) -> str:
+    """The DSL compile target for a compute capability ('a' variants where the DSL needs them)."""
+    return _TARGETS.get(tuple(capability), f"sm_{capability[0]}{capability[1]}")
+
+
+@lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def target_arch(device: torch.device | int | None = None) -> str:
+    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index if isinstance(device, int) else device.index
+    if index is None:
+        index = torch.cuda.current_device()
+    return target_arch_for(_capability(index))
+
+
+def kernel_family(capability: tuple[int, int]) -> str:
+    forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
+    if forced:
+        return forced
+    return "sm90" if capability[0] == 9 else "sm80"
+
+
+def cutlass_dtype(dtype: torch.dtype):
+    try:
+        return CUTLASS_DTYPES[dtype]
+    except KeyError:
+        raise UnsupportedDtypeError(
+            f"{dtype} inputs are accepted by the API but no kernel computes them yet; "
+            "cast q, k, v to torch.bfloat16 or torch.float16"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A compiled-kernel recipe: the class, its compile-time configuration and the fake arguments."""
+
+    kernel_cls: type
+    init_kwargs: tuple[tuple[str, Any], ...]
+    fake_args: tuple
+    arch: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.kernel_cls.__module__, self.kernel_cls.__qualname__) + self.init_kwargs
+
+    def build(self):
+        return self.kernel_cls(**dict(self.init_kwargs)), self.fake_args
+
+    def compiled(self):
+        return cache.get_or_compile(self.key, self.build, self.arch)
+
+
+def _forward_classes(family: str):
+    if family == "sm90":
+        from .kernels.sm90.fwd import FlashAttnFwdSm90
+        from .kernels.sm80.fwd import FlashAttnFwdSm80
+
+        return (FlashAttnFwdSm90, FlashAttnFwdSm80)
+    from .kernels.sm80.fwd import FlashAttnFwdSm80
+
+    return (FlashAttnFwdSm80,)
+
+
+def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool) -> Plan:
+    """The forward kernel for this GPU and problem class (never depends on lengths or batch)."""
+    cdtype = cutlass_dtype(dtype)
+    for cls in _forward_classes(kernel_family(capability)):
+        if cls.can_implement(cdtype, head_dim, causal):
+            tiles = cls.default_tiles(cdtype, head_dim, causal)
+            kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
+            fake = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(), cutlass.Float32(1.0), fake_stream())
+            return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), fake, target_arch_for(capability))
+    raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
