@@ -1,0 +1,158 @@
+"""`cute-flash` command line: info, check, warmup, bench, dashboard."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+KEY_INSTRUCTIONS = {
+    "sm80": ("mma.sync", "ldmatrix", "cp.async"),
+    "sm90": ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"),
+}
+
+
+def _parse_list(text: str, kind=str):
+    return [kind(x) for x in text.split(",") if x]
+
+
+def _capability(arch: str) -> tuple[int, int]:
+    digits = arch.removeprefix("sm_").rstrip("a")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def forward_variants(dtypes, head_dims, causals):
+    """(dtype name, head dim, causal) of every forward variant selected."""
+    return [(dtype, head_dim, causal) for dtype in dtypes for head_dim in head_dims for causal in causals]
+
+
+def _forward_plan(arch: str, dtype: str, head_dim: int, causal: bool):
+    """(label, Plan) of the forward kernel the dispatcher picks on `arch`. Runs in worker
+    processes, which rebuild the plan from plain values."""
+    import torch
+
+    from . import dispatch
+
+    plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal)
+    family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
+    return f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}", plan
+
+
+def _pool(jobs: int) -> ProcessPoolExecutor:
+    # The DSL's compiler state does not survive fork(); start clean interpreters.
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _variant_selection(args):
+    from .validate import SUPPORTED_HEAD_DIMS
+
+    head_dims = _parse_list(args.head_dims, int) if args.head_dims else list(SUPPORTED_HEAD_DIMS)
+    return _parse_list(args.dtypes), head_dims, [False, True]
+
+
+def _check_one(arch: str, variant):
+    from .compile_report import compile_report
+
+    label, plan = _forward_plan(arch, *variant)
+    kernel, fake_args = plan.build()
+    report = compile_report(kernel, fake_args, arch=arch)
+    family = label.split("/")[1]
+    found = {ins: report.ptx.count(ins) for ins in KEY_INSTRUCTIONS[family]}
+    return label, report.seconds, report.registers, report.smem_bytes, report.spill_bytes, found
+
+
+def cmd_check(args) -> int:
+    """Compile every variant for an architecture and report resources and key instructions."""
+    dtypes, head_dims, causals = _variant_selection(args)
+    variants = forward_variants(dtypes, head_dims, causals)
+    print(f"{'variant':34} {'compile s':>9} {'regs':>5} {'smem B':>8} {'spill B':>8}  key instructions (count in PTX)")
+    failures = 0
+    with _pool(args.jobs) as pool:
+        futures = [pool.submit(_check_one, args.arch, variant) for variant in variants]
+        for future in as_completed(futures):
+            label, seconds, regs, smem, spill, found = future.result()
+            bad = spill > 0 or not all(found[i] for i in found if i != "setmaxnreg")
+            failures += bad
+            ins = " ".join(f"{k}={v}" for k, v in found.items())
+            print(f"{label:34} {seconds:9.1f} {regs:5d} {smem if smem is not None else '-':>8} {spill:8d}  {ins}{'  <-- FAIL' if bad else ''}", flush=True)
+    print(f"{len(variants)} variants, {failures} with spills or missing instructions")
+    return 1 if failures else 0
+
+
+def _warm_one(arch: str, variant):
+    start = time.perf_counter()
+    label, plan = _forward_plan(arch, *variant)
+    plan.compiled()
+    return label, time.perf_counter() - start
+
+
+def cmd_warmup(args) -> int:
+    """Fill the disk cache for the chosen variants, several compiles at once."""
+    from . import cache, dispatch
+
+    if args.arch is None:
+        import torch
+
+        args.arch = dispatch.target_arch_for(torch.cuda.get_device_capability())
+    if not cache.disk_enabled():
+        print("the disk cache is off (CUTE_FLASH_CACHE=0): nothing to warm", file=sys.stderr)
+        return 1
+    dtypes, head_dims, causals = _variant_selection(args)
+    variants = forward_variants(dtypes, head_dims, causals)
+    start = time.perf_counter()
+    with _pool(args.jobs) as pool:
+        for future in as_completed([pool.submit(_warm_one, args.arch, variant) for variant in variants]):
+            label, seconds = future.result()
+            print(f"{label:34} {seconds:6.1f} s", flush=True)
+    print(f"{len(variants)} variants ready in {cache.cache_root() / cache.namespace()} ({time.perf_counter() - start:.1f} s)")
+    return 0
+
+
+def cmd_info(args) -> int:
+    import cutlass
+    import torch
+
+    from . import __version__, cache
+
+    print(f"cute-flash {__version__}, nvidia-cutlass-dsl {cutlass.__version__}, torch {torch.__version__}")
+    if torch.cuda.is_available():
+        from .dispatch import kernel_family, target_arch
+
+        cap = torch.cuda.get_device_capability()
+        print(f"GPU: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}), compile target {target_arch()}, kernel family {kernel_family(cap)}")
+    else:
+        print("GPU: none visible (kernels can still be compiled: cute-flash check --arch sm_80)")
+    folder = cache.cache_root() / cache.namespace()
+    entries = list(folder.glob("*.o")) if folder.exists() else []
+    state = "on" if cache.disk_enabled() else "off (CUTE_FLASH_CACHE=0)"
+    print(f"disk cache: {state}, {folder}, {len(entries)} compiled kernels")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("bench", "dashboard"):
+        from .perf import bench, dashboard
+
+        return (bench if argv[0] == "bench" else dashboard).main(argv[1:])
+    parser = argparse.ArgumentParser(prog="cute-flash", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="versions, GPU, compile target and cache")
+    for name, helptext in (("check", "compile every variant, report registers/smem/spills/instructions"),
+                           ("warmup", "compile variants into the disk cache in parallel")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--arch", default="sm_80" if name == "check" else None, help="sm_80, sm_86, sm_90a, ... (warmup: this GPU's)")
+        p.add_argument("--dtypes", default="float16,bfloat16")
+        p.add_argument("--head-dims", default="", help="comma list; default every multiple of 8 up to 256")
+        p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+    sub.add_parser("bench", help="run a benchmark suite (see cute-flash bench --help)")
+    sub.add_parser("dashboard", help="render perf/results into plots (see cute-flash dashboard --help)")
+    args = parser.parse_args(argv)
+    return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Forward correctness on the GPU against the float64 reference, both kernel families."""
+
+import pytest
+import torch
+
+import cute_flash
+
+from .common import assert_forward_close, randn
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [32, 64, 96, 128, 192, 256, 72]
+SEQLENS = [(1, 1), (7, 7), (113, 203), (517, 33), (1023, 1024)]
+
+
+@pytest.fixture(params=["sm80", "native"])
+def family(request, monkeypatch):
+    """Run every case on the sm80 kernels and on the GPU's own family (sm90 on an H100)."""
+    if request.param == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    return request.param
+
+
+def run_forward(q, k, v, causal, **kwargs):
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    ret_out, ret_lse = cute_flash.forward(q, k, v, out=out, lse=lse, causal=causal, **kwargs)
+    assert ret_out is out and ret_lse is lse
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_forward_matches_reference(family, dtype, head_dim, seqlens, causal):
+    torch.manual_seed(hash((head_dim, seqlens, causal)) % 2**31)
+    sq, sk = seqlens
+    q, k, v = randn(2, sq, 4, head_dim, dtype=dtype), randn(2, sk, 4, head_dim, dtype=dtype), randn(2, sk, 4, head_dim, dtype=dtype)
+    out, lse = run_forward(q, k, v, causal)
+    assert_forward_close(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("nheads, nheads_kv", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gqa_mqa(family, nheads, nheads_kv, causal, head_dim):
+    q = randn(2, 300, nheads, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(2, 257, nheads_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = run_forward(q, k, v, causal)
+    assert_forward_close(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+def test_non_contiguous_inputs_and_outputs(family, causal, head_dim):
+    q = randn(2, 200, 4, head_dim, dtype=torch.float16, transposed=True)
+    k = randn(2, 190, 2, head_dim, dtype=torch.float16, transposed=True)
+    v = torch.randn(2, 190, 2, 2 * head_dim, device="cuda", dtype=torch.float16)[..., :head_dim]  # strided rows
+    out = torch.full((2, 4, 200, head_dim), float("nan"), device="cuda", dtype=torch.float16).transpose(1, 2)
+    lse = torch.full((2, 4, 200), float("nan"), device="cuda")
+    cute_flash.forward(q, k, v, out=out, lse=lse, causal=causal)
+    assert_forward_close(out, lse, q, k, v, causal)
+
+
+def test_misaligned_head_stride_is_copied_not_rejected(family):
+    base = torch.randn(1, 64, 2, 64 + 3, device="cuda", dtype=torch.bfloat16)
+    q = base[..., 3:]  # 16-byte misaligned base pointer
+    k, v = randn(1, 64, 2, 64, dtype=torch.bfloat16), randn(1, 64, 2, 64, dtype=torch.bfloat16)
+    out, lse = cute_flash.forward(q, k, v)
+    assert_forward_close(out, lse, q, k, v, False)
+
+
+def test_softmax_scale_and_return_lse(family):
+    q, k, v = (randn(2, 129, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = cute_flash.flash_attn_func(q, k, v, softmax_scale=0.37, causal=True, return_lse=True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_forward_close(out, lse, q, k, v, True, softmax_scale=0.37)
+
+
+def test_fp32_inputs_raise_typed_error_before_writing():
+    q = torch.randn(1, 16, 2, 64, device="cuda")
+    out = torch.full_like(q, 3.0)
+    with pytest.raises(cute_flash.UnsupportedDtypeError):
+        cute_flash.forward(q, q, q, out=out)
+    assert torch.all(out == 3.0)
+
+
+def test_one_compile_serves_every_length(family):
+    from cute_flash import cache
+
+    before = dict(cache.stats)
+    for sq, sk, b in [(64, 64, 1), (300, 1000, 3), (1000, 17, 2)]:
+        q = randn(b, sq, 2, 64, dtype=torch.float16)
+        k, v = randn(b, sk, 2, 64, dtype=torch.float16), randn(b, sk, 2, 64, dtype=torch.float16)
+        out, lse = cute_flash.forward(q, k, v)
+        assert_forward_close(out, lse, q, k, v, False)
+    new = sum(cache.stats[k] - before[k] for k in ("compiled", "loaded_from_disk"))
+    assert new <= 1
+
+
+def test_forward_memory_is_linear_in_seqlen(family):
+    """B=1, H=8, N=16384, D=64 fp16: the only extra device memory is O and LSE."""
+    q, k, v = (randn(1, 16384, 8, 64, dtype=torch.float16) for _ in range(3))
+    cute_flash.forward(q, k, v)  # compile outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out, lse = cute_flash.forward(q, k, v)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    expected = out.numel() * out.element_size() + lse.numel() * lse.element_size()
+    assert extra <= expected + 4096, f"extra memory {extra} B > O + LSE = {expected} B"
+
+
+def test_backward_without_kernels_raises_clearly_or_works():
+    q, k, v = (randn(1, 64, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    out = cute_flash.flash_attn_func(q, k, v)
+    try:
+        import cute_flash.backward_sm80  # noqa: F401
+    except ImportError:
+        with pytest.raises(cute_flash.CuteFlashError, match="backward"):
+            out.sum().backward()
+        return
+    out.sum().backward()
+    assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
