@@ -1,0 +1,127 @@
+"""Host side of the sm_80 backward: workspaces, compiled kernels, three launches.
+
+    preprocess   D = rowsum(dO * O), LSE * log2(e)           (kernels/sm80/bwd_pre.py)
+    main         dK, dV per key block; dQ into fp32 accum     (kernels/sm80/bwd.py)
+    postprocess  dQ = scale * dQaccum in the input dtype      (kernels/sm80/bwd_post.py)
+
+With grouped-query attention the main kernel writes per-query-head fp32 dK/dV and the groups are
+summed here (a fixed-order torch reduction, so deterministic mode stays bit-reproducible).
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_tensor
+
+from cute_flash.cache import get_or_compile
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80
+from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
+from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
+from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream, to_cute
+
+
+_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+# Row statistics are padded to a multiple of every m_block size the main kernel may use.
+ROW_PAD = 128
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def fake_semaphore() -> cute.Tensor:
+    """(batch, nheads, num_m_blocks) int32 counters for the deterministic dQ ordering."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    return make_fake_tensor(cutlass.Int32, shape, (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+
+def main_kernel_fake_args(dtype, head_dim: int, gqa: bool) -> tuple:
+    """Fake arguments of FlashAttnBwdSm80.__call__, in order."""
+    dkv_dtype = cutlass.Float32 if gqa else dtype
+    return (
+        fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim),
+        fake_bshd(dtype, head_dim), fake_rowstat(), fake_rowstat(),
+        fake_bshd(cutlass.Float32, _round_up(head_dim, 32)),
+        fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
+        cutlass.Float32(1.0), fake_stream(),
+    )
+
+
+def pre_kernel_fake_args(dtype, head_dim: int) -> tuple:
+    return (fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_rowstat(), fake_rowstat(),
+            fake_rowstat(), fake_stream())
+
+
+def post_kernel_fake_args(dtype, head_dim: int) -> tuple:
+    return (fake_bshd(cutlass.Float32, _round_up(head_dim, 32)), fake_bshd(dtype, head_dim),
+            cutlass.Float32(1.0), fake_stream())
+
+
+def main_kernel_key(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, tiles: dict) -> tuple:
+    return ("sm80", "bwd_main", dtype.__name__, head_dim, causal, deterministic,
+            "dkv_f32" if gqa else "dkv_same", tuple(sorted(tiles.items())))
+
+
+def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
+                  deterministic: bool) -> None:
+    """Gradients of attention w.r.t. q, k, v, written into dq, dk, dv (shapes/strides as q, k, v)."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    seqlen_k, nheads_kv = k.shape[1], k.shape[2]
+    if batch == 0 or nheads == 0:
+        return
+    if seqlen_q == 0 or seqlen_k == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    dtype = _DTYPES[q.dtype]
+    gqa = nheads != nheads_kv
+    device = q.device
+    f32 = torch.float32
+
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+    m_block = tiles["m_block_size"]
+    seqlen_q_pad = _round_up(seqlen_q, ROW_PAD)
+    lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
+    dpsum = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
+    dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, _round_up(head_dim, 32), dtype=f32, device=device)
+    if deterministic:
+        semaphore = torch.zeros(batch, nheads, (seqlen_q + m_block - 1) // m_block, dtype=torch.int32, device=device)
+    else:
+        semaphore = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+    if gqa:
+        dk_out = torch.empty(batch, seqlen_k, nheads, head_dim, dtype=f32, device=device)
+        dv_out = torch.empty(batch, seqlen_k, nheads, head_dim, dtype=f32, device=device)
+    else:
+        dk_out, dv_out = dk, dv
+
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    scale = cutlass.Float32(softmax_scale)
+
+    pre = get_or_compile(
+        ("sm80", "bwd_pre", dtype.__name__, head_dim),
+        lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim)),
+    )
+    main = get_or_compile(
+        main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
+        lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
+                 main_kernel_fake_args(dtype, head_dim, gqa)),
+    )
+    post = get_or_compile(
+        ("sm80", "bwd_post", dtype.__name__, head_dim),
+        lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim)),
+    )
+
+    stat = lambda t: to_cute(t, align=4)  # noqa: E731
+    pre(to_cute(out), to_cute(dout), stat(lse), stat(lse_log2), stat(dpsum), stream)
+    main(to_cute(q), to_cute(k), to_cute(v), to_cute(dout), stat(lse_log2), stat(dpsum), to_cute(dq_accum),
+         to_cute(dk_out), to_cute(dv_out), stat(semaphore), scale, stream)
+    post(to_cute(dq_accum), to_cute(dq), scale, stream)
+    if gqa:
+        group = nheads // nheads_kv
+        dk.copy_(dk_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))
+        dv.copy_(dv_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))

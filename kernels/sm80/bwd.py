@@ -1,0 +1,496 @@
+"""FlashAttention-2 backward main kernel for sm_80 (Algorithm 2), CuTe DSL.
+
+One CTA owns one key block (n_block) of one (batch, query head): K_j and V_j stay in shared memory
+while the CTA walks the query blocks m_block that can see them, recomputing the probabilities from
+the saved log-sum-exp instead of storing anything of size seqlen_q x seqlen_k:
+
+    S   = Q_i K_j^T                         (mma.sync, ldmatrix from swizzled smem)
+    P   = exp2(S * scale * log2(e) - LSE_i * log2(e))
+    dV_j += P^T dO_i
+    dP  = dO_i V_j^T
+    dS  = P * (dP - D_i)                    D_i = rowsum(dO_i * O_i), from the preprocess kernel
+    dK_j += dS^T Q_i
+    dQ_i += dS K_j                          fp32 atomics into a workspace (postprocess scales it)
+
+dK and dV live in registers for the whole walk and are written once at the end (dK scaled by
+softmax_scale because dS is the gradient w.r.t. the scaled scores). With grouped-query attention
+the host passes fp32 per-query-head dK/dV workspaces and sums the groups itself.
+
+Deterministic mode orders the dQ accumulation: the CTAs touching one query block add their dQ
+tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+
+from cute_flash.kernels.common.blocks import BlockRanges
+from cute_flash.kernels.common.layouts import reshape_acc_to_mn, smem_layout_atom
+from cute_flash.kernels.common.mask import apply_mask
+
+LOG2_E = math.log2(math.e)
+SMEM_CAPACITY_SM80 = 163 * 1024
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+# candidate for kernels/common: layouts.transpose_view handles (rows, cols, stages) only; K, V, P
+# and dS tiles here have no stage mode.
+def transpose_view(t: cute.Tensor) -> cute.Tensor:
+    """Swap the first two modes of a smem tile of any rank (row-major tile read as its transpose)."""
+    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
+
+
+@cute.jit
+def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
+    """acc += A @ B with both operands streamed from smem by ldmatrix, one k-slice ahead."""
+    tCrA_view = s2r_A.retile(tCrA)
+    tCrB_view = s2r_B.retile(tCrB)
+    cute.copy(s2r_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+    cute.copy(s2r_B, tCsB[None, None, 0], tCrB_view[None, None, 0])
+    num_k = cute.size(tCsA.shape[2])
+    for k in cutlass.range_constexpr(num_k):
+        if cutlass.const_expr(k < num_k - 1):
+            cute.copy(s2r_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+            cute.copy(s2r_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
+        cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+class FlashAttnBwdSm80:
+    num_threads = 256
+
+    def __init__(
+        self,
+        dtype,
+        head_dim: int,
+        causal: bool,
+        deterministic: bool = False,
+        m_block_size: int = 64,
+        n_block_size: int = 128,
+        num_stages_Q: int = 2,
+        num_stages_dO: int = 1,
+        atom_m_sdp: int = 2,
+        atom_n_dkv: int = 4,
+        atom_m_dq: int = 4,
+    ):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.head_dim_padded = _round_up(head_dim, 32)
+        self.causal = causal
+        self.deterministic = deterministic
+        self.m_block_size = m_block_size
+        self.n_block_size = n_block_size
+        self.num_stages_Q = num_stages_Q
+        self.num_stages_dO = num_stages_dO
+        self.atom_m_sdp = atom_m_sdp
+        self.atom_n_dkv = atom_n_dkv
+        self.atom_m_dq = atom_m_dq
+
+    @staticmethod
+    def default_tiles(dtype, head_dim: int, causal: bool) -> dict:
+        d = _round_up(head_dim, 32)
+        if d <= 64:
+            return dict(m_block_size=128, n_block_size=128, num_stages_Q=2, num_stages_dO=1,
+                        atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
+        if d <= 128:
+            return dict(m_block_size=64, n_block_size=128, num_stages_Q=2, num_stages_dO=1,
+                        atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
+        return dict(m_block_size=64, n_block_size=64, num_stages_Q=2 if d <= 192 else 1, num_stages_dO=1,
+                    atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4)
+
+    @staticmethod
+    def smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
+        d = _round_up(head_dim, 32)
+        elems = (m_block_size * d * (num_stages_Q + num_stages_dO) + 2 * n_block_size * d
+                 + 2 * m_block_size * n_block_size)
+        return elems * dtype.width // 8 + 4 * 128 * (num_stages_Q + num_stages_dO)
+
+    @staticmethod
+    def can_implement(dtype, head_dim: int, causal: bool, **tiles) -> bool:
+        if dtype not in (cutlass.Float16, cutlass.BFloat16) or head_dim % 8 != 0 or head_dim > 256:
+            return False
+        t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+        d = _round_up(head_dim, 32)
+        warps = FlashAttnBwdSm80.num_threads // 32
+        ok_tiles = (
+            t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
+            and t["n_block_size"] % (16 * warps // t["atom_m_sdp"]) == 0
+            and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
+            and d % (16 * warps // t["atom_n_dkv"]) == 0
+            and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
+            and d % (16 * warps // t["atom_m_dq"]) == 0
+        )
+        return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= SMEM_CAPACITY_SM80
+
+    # ------------------------------------------------------------------------------------------
+    def _tiled_mma(self, atom_m: int):
+        warps = self.num_threads // 32
+        atoms = (atom_m, warps // atom_m, 1)
+        return cute.make_tiled_mma(
+            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
+            atoms,
+            permutation_mnk=(atoms[0] * 16, atoms[1] * 16, 16),
+        )
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
+        atom_qk = smem_layout_atom(self.dtype, d)
+        sQ_layout = cute.tile_to_shape(atom_qk, (m, d, self.num_stages_Q), (0, 1, 2))
+        sdO_layout = cute.tile_to_shape(atom_qk, (m, d, self.num_stages_dO), (0, 1, 2))
+        sKV_layout = cute.tile_to_shape(atom_qk, (n, d), (0, 1))
+        sPdS_layout = cute.tile_to_shape(smem_layout_atom(self.dtype, n), (m, n), (0, 1))
+
+        @cute.struct
+        class SharedStorage:
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdO_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sPdS_layout)], 1024]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, m * self.num_stages_Q], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, m * self.num_stages_dO], 128]
+
+        # 128-bit cp.async: each thread moves 8 contiguous 16-bit elements.
+        vec = 128 // self.dtype.width
+        atom_cols = cute.size(atom_qk.outer.shape[1])
+        threads_per_row = atom_cols // vec
+        gmem_tiled_copy = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
+                                num_bits_per_copy=128),
+            cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
+            cute.make_layout((1, vec)),
+        )
+
+        grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
+        self.kernel(
+            mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
+            softmax_scale, softmax_scale * LOG2_E,
+            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy,
+            self._tiled_mma(self.atom_m_sdp), self._tiled_mma(self.atom_n_dkv), self._tiled_mma(self.atom_m_dq),
+            SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        sPdS_layout: cute.ComposedLayout,
+        gmem_tiled_copy: cute.TiledCopy,
+        tiled_mma_sdp: cute.TiledMma,
+        tiled_mma_dkv: cute.TiledMma,
+        tiled_mma_dq: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[1]
+        seqlen_k = mK.shape[1]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+
+        # Query blocks that see some key of this key block (Algorithm 2, inner loop bounds); the
+        # first few of them straddle the causal diagonal and need the mask.
+        ranges = BlockRanges(m, n, self.causal)
+        m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        m_block_max_mask = m_block_min
+        if cutlass.const_expr(self.causal):
+            m_block_max_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
+        last_n_block_partial = (n_block + 1) * n > seqlen_k
+
+        # ---------------------------------------------------------------- global tiles
+        gQ = cute.local_tile(mQ[batch, None, head, None], (m, d), (None, 0))
+        gdO = cute.local_tile(mdO[batch, None, head, None], (m, d), (None, 0))
+        gK = cute.local_tile(mK[batch, None, head_kv, None], (n, d), (n_block, 0))
+        gV = cute.local_tile(mV[batch, None, head_kv, None], (n, d), (n_block, 0))
+        gLSE = cute.local_tile(mLSElog2[batch, head, None], (m,), (None,))
+        gdPsum = cute.local_tile(mdPsum[batch, head, None], (m,), (None,))
+        gdQaccum = cute.local_tile(mdQaccum[batch, None, head, None], (m, d), (None, 0))
+
+        # ---------------------------------------------------------------- shared memory
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sdO = storage.sdO.get_tensor(sdO_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sP = storage.sP.get_tensor(sPdS_layout)
+        sdS = storage.sdS.get_tensor(sPdS_layout)
+        sLSE = storage.sLSE.get_tensor(cute.make_layout((m, self.num_stages_Q)))
+        sdPsum = storage.sdPsum.get_tensor(cute.make_layout((m, self.num_stages_dO)))
+        sQt, sdOt, sKt, sPt, sdSt = [transpose_view(t) for t in (sQ, sdO, sK, sP, sdS)]
+
+        # ---------------------------------------------------------------- gmem -> smem copies
+        gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
+        tQgQ = gmem_thr_copy.partition_S(gQ)
+        tQsQ = gmem_thr_copy.partition_D(sQ)
+        tdOgdO = gmem_thr_copy.partition_S(gdO)
+        tdOsdO = gmem_thr_copy.partition_D(sdO)
+        tKgK = gmem_thr_copy.partition_S(gK)
+        tKsK = gmem_thr_copy.partition_D(sK)
+        tVgV = gmem_thr_copy.partition_S(gV)
+        tVsV = gmem_thr_copy.partition_D(sV)
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((m, d)))
+        tKcK = gmem_thr_copy.partition_S(cute.make_identity_tensor((n, d)))
+        copy_atom_stat = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+
+        # ---------------------------------------------------------------- mma partitions
+        thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
+        thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
+        thr_mma_dq = tiled_mma_dq.get_slice(tidx)
+        tSrQ = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(sQ[None, None, 0]))
+        tSrK = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sK))
+        tdPrdO = thr_mma_sdp.make_fragment_A(thr_mma_sdp.partition_A(sdO[None, None, 0]))
+        tdPrV = thr_mma_sdp.make_fragment_B(thr_mma_sdp.partition_B(sV))
+        tdVrPt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sPt))
+        tdVrdOt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sdOt[None, None, 0]))
+        tdKrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt))
+        tdKrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt[None, None, 0]))
+        tdQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS))
+        tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt))
+
+        acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((n, d)), Float32)
+        acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((n, d)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        # smem -> register copies: ldmatrix, transposed where the operand's k is not contiguous.
+        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        s2r_sdp_A = cute.make_tiled_copy_A(ldsm, tiled_mma_sdp).get_slice(tidx)
+        s2r_sdp_B = cute.make_tiled_copy_B(ldsm, tiled_mma_sdp).get_slice(tidx)
+        s2r_dkv_A = cute.make_tiled_copy_A(ldsm_t, tiled_mma_dkv).get_slice(tidx)
+        s2r_dkv_B = cute.make_tiled_copy_B(ldsm_t, tiled_mma_dkv).get_slice(tidx)
+        s2r_dq_A = cute.make_tiled_copy_A(ldsm, tiled_mma_dq).get_slice(tidx)
+        s2r_dq_B = cute.make_tiled_copy_B(ldsm_t, tiled_mma_dq).get_slice(tidx)
+        tSsQ = s2r_sdp_A.partition_S(sQ)
+        tSsK = s2r_sdp_B.partition_S(sK)
+        tdPsdO = s2r_sdp_A.partition_S(sdO)
+        tdPsV = s2r_sdp_B.partition_S(sV)
+        tdVsPt = s2r_dkv_A.partition_S(sPt)
+        tdVsdOt = s2r_dkv_B.partition_S(sdOt)
+        tdKsdSt = s2r_dkv_A.partition_S(sdSt)
+        tdKsQt = s2r_dkv_B.partition_S(sQt)
+        tdQsdS = s2r_dq_A.partition_S(sdS)
+        tdQsKt = s2r_dq_B.partition_S(sKt)
+        # P and dS go back to smem as pairs of 16-bit values straight from the accumulator layout.
+        r2s_PdS = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
+            tiled_mma_sdp,
+        ).get_slice(tidx)
+        tPsP = r2s_PdS.partition_D(sP)
+        tdSsdS = r2s_PdS.partition_D(sdS)
+
+        # (row, col) of every accumulator element of S/dP, and the rows this thread owns.
+        tScS_mn = reshape_acc_to_mn(thr_mma_sdp.partition_C(cute.make_identity_tensor((m, n))))
+        acc_shape_SdP = thr_mma_sdp.partition_shape_C((m, n))
+        acc_shape_dQ = thr_mma_dq.partition_shape_C((m, d))
+        tdQgdQaccum = thr_mma_dq.partition_C(gdQaccum)
+
+        if m_block_min < m_block_max:
+            # ------------------------------------------------------------ prologue: K_j, V_j, Q/dO of the first block
+            self.load_tile(gmem_tiled_copy, tKgK, tKsK, tKcK, seqlen_k - n_block * n)
+            self.load_tile(gmem_tiled_copy, tVgV, tVsV, tKcK, seqlen_k - n_block * n)
+            self.load_Q_LSE(gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE, m_block_min, 0, seqlen_q, tidx)
+            self.load_dO_dPsum(gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum, m_block_min, 0, seqlen_q, tidx)
+            cute.arch.cp_async_commit_group()
+
+            stage_q = Int32(0)
+            stage_do = Int32(0)
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                # Everything for this m_block has landed, and every thread is done with the last one.
+                cute.arch.cp_async_wait_group(0)
+                cute.arch.barrier()
+                has_next = m_block + 1 < m_block_max
+                if cutlass.const_expr(self.num_stages_Q > 1):
+                    if has_next:
+                        self.load_Q_LSE(gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE,
+                                        m_block + 1, 1 - stage_q, seqlen_q, tidx)
+                if cutlass.const_expr(self.num_stages_dO > 1):
+                    if has_next:
+                        self.load_dO_dPsum(gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum,
+                                           m_block + 1, 1 - stage_do, seqlen_q, tidx)
+                cute.arch.cp_async_commit_group()
+
+                # S = Q_i K_j^T, then P = exp(S * scale - LSE) with masked entries at 0.
+                acc_S = cute.make_rmem_tensor(acc_shape_SdP, Float32)
+                acc_S.fill(0.0)
+                gemm_smem(tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage_q], tSsK, s2r_sdp_A, s2r_sdp_B)
+                # dP = dO_i V_j^T
+                acc_dP = cute.make_rmem_tensor(acc_shape_SdP, Float32)
+                acc_dP.fill(0.0)
+                gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage_do], tdPsV, s2r_sdp_A, s2r_sdp_B)
+
+                acc_S_mn = reshape_acc_to_mn(acc_S)
+                acc_dP_mn = reshape_acc_to_mn(acc_dP)
+                if last_n_block_partial or m_block < m_block_max_mask:
+                    apply_mask(acc_S, thr_mma_sdp, m, n, m_block, n_block, seqlen_q, seqlen_k,
+                               mask_seqlen=True, mask_causal=self.causal)
+                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                    row = tScS_mn[r, 0][0]
+                    lse_log2 = sLSE[row, stage_q]
+                    dpsum = sdPsum[row, stage_do]
+                    p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2, fastmath=True)
+                    acc_S_mn[r, None].store(p)
+                    acc_dP_mn[r, None].store(p * (acc_dP_mn[r, None].load() - dpsum))
+
+                rP = cute.make_fragment_like(acc_S, self.dtype)
+                rP.store(acc_S.load().to(self.dtype))
+                rdS = cute.make_fragment_like(acc_dP, self.dtype)
+                rdS.store(acc_dP.load().to(self.dtype))
+                cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+                cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)
+                cute.arch.barrier()
+
+                # dV_j += P^T dO_i
+                gemm_smem(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt[None, None, None, stage_do],
+                          s2r_dkv_A, s2r_dkv_B)
+                if cutlass.const_expr(self.num_stages_dO == 1):
+                    # dO's only buffer is free once every warp has finished dV.
+                    cute.arch.barrier()
+                    if has_next:
+                        self.load_dO_dPsum(gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum,
+                                           m_block + 1, 0, seqlen_q, tidx)
+                    cute.arch.cp_async_commit_group()
+
+                # dQ_i += dS K_j, accumulated in fp32 global memory.
+                acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
+                acc_dQ.fill(0.0)
+                gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_A, s2r_dq_B)
+                self.accumulate_dQ(acc_dQ, tdQgdQaccum[None, None, None, m_block], mdQsemaphore,
+                                   batch, head, m_block, n_block, tidx)
+
+                # dK_j += dS^T Q_i
+                gemm_smem(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, stage_q],
+                          s2r_dkv_A, s2r_dkv_B)
+                if cutlass.const_expr(self.num_stages_Q == 1):
+                    cute.arch.barrier()
+                    if has_next:
+                        self.load_Q_LSE(gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE,
+                                        m_block + 1, 0, seqlen_q, tidx)
+                    cute.arch.cp_async_commit_group()
+
+                if cutlass.const_expr(self.num_stages_Q > 1):
+                    stage_q = 1 - stage_q
+                if cutlass.const_expr(self.num_stages_dO > 1):
+                    stage_do = 1 - stage_do
+
+        # ---------------------------------------------------------------- epilogue: dK_j, dV_j
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        self.store_dKV(acc_dK, mdK, tiled_mma_dkv, batch, head, n_block, seqlen_k, tidx)
+        self.store_dKV(acc_dV, mdV, tiled_mma_dkv, batch, head, n_block, seqlen_k, tidx)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_tile(self, gmem_tiled_copy: cute.TiledCopy, tXgX: cute.Tensor, tXsX: cute.Tensor,
+                  tXcX: cute.Tensor, rows_left: Int32):
+        """Async copy of one (rows, head_dim_padded) tile; rows past the sequence and the head-dim
+        padding are zero-filled so they contribute nothing to any product."""
+        for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+            for c in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
+                coord = tXcX[0, r, c]
+                if coord[0] < rows_left and coord[1] < self.head_dim:
+                    cute.copy(gmem_tiled_copy, tXgX[None, r, c], tXsX[None, r, c])
+                else:
+                    tXsX[None, r, c].fill(0)
+
+    @cute.jit
+    def load_Q_LSE(self, gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE,
+                   m_block: Int32, stage: Int32, seqlen_q: Int32, tidx: Int32):
+        self.load_tile(gmem_tiled_copy, tQgQ[None, None, None, m_block], tQsQ[None, None, None, stage], tQcQ,
+                       seqlen_q - m_block * self.m_block_size)
+        # The row statistics are padded to a multiple of every m_block size by the preprocess.
+        if tidx < self.m_block_size:
+            cute.copy(copy_atom_stat, cute.local_tile(gLSE[None, m_block], (1,), (tidx,)),
+                      cute.local_tile(sLSE[None, stage], (1,), (tidx,)))
+
+    @cute.jit
+    def load_dO_dPsum(self, gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum,
+                      m_block: Int32, stage: Int32, seqlen_q: Int32, tidx: Int32):
+        self.load_tile(gmem_tiled_copy, tdOgdO[None, None, None, m_block], tdOsdO[None, None, None, stage], tQcQ,
+                       seqlen_q - m_block * self.m_block_size)
+        if tidx < self.m_block_size:
+            cute.copy(copy_atom_stat, cute.local_tile(gdPsum[None, m_block], (1,), (tidx,)),
+                      cute.local_tile(sdPsum[None, stage], (1,), (tidx,)))
+
+    @cute.jit
+    def accumulate_dQ(self, acc_dQ: cute.Tensor, tdQgdQaccum: cute.Tensor, mdQsemaphore: cute.Tensor,
+                      batch: Int32, head: Int32, m_block: Int32, n_block: Int32, tidx: Int32):
+        if cutlass.const_expr(self.deterministic):
+            # Key blocks that see query block m_block are 0..k: add in n_block order.
+            lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
+            if tidx == 0:
+                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
+                    pass
+            cute.arch.barrier()
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            ptr = tdQgdQaccum.iterator + cute.crd2idx(i, tdQgdQaccum.layout)
+            cute.arch.atomic_add(ptr, acc_dQ[i])
+        if cutlass.const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.barrier()
+            if tidx == 0:
+                cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def store_dKV(self, acc: cute.Tensor, mX: cute.Tensor, tiled_mma: cute.TiledMma, batch: Int32, head: Int32,
+                  n_block: Int32, seqlen_k: Int32, tidx: Int32):
+        """Registers -> global, two elements per store, rows past seqlen_k and padded columns skipped."""
+        n, d = self.n_block_size, self.head_dim_padded
+        out_dtype = mX.element_type
+        rX = cute.make_fragment_like(acc, out_dtype)
+        rX.store(acc.load().to(out_dtype))
+        gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
+        r2g = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width),
+            tiled_mma,
+        ).get_slice(tidx)
+        tXrX = r2g.retile(rX)
+        tXgX = r2g.partition_D(gX)
+        tXcX = r2g.partition_D(cute.make_identity_tensor((n, d)))
+        rows_left = seqlen_k - n_block * n
+        for i in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
+            for j in cutlass.range_constexpr(cute.size(tXgX.shape[2])):
+                coord = tXcX[0, i, j]
+                if coord[0] < rows_left and coord[1] < self.head_dim:
+                    cute.copy(r2g, tXrX[None, i, j], tXgX[None, i, j])
