@@ -4,13 +4,11 @@ when it raises."""
 
 from __future__ import annotations
 
-import cutlass
 import torch
-import cuda.bindings.driver as cuda
 
 from . import dispatch
 from .errors import CuteFlashError, MissingTensorError
-from .tensors import VECTOR_BYTES, to_cute
+from .tensors import VECTOR_BYTES
 from .validate import check_device, check_like, check_qkv, check_softmax_scale, lse_shape
 
 
@@ -56,10 +54,6 @@ def stat_view(t: torch.Tensor) -> torch.Tensor | None:
     return t if strides == t.stride() else t.as_strided(t.shape, strides)
 
 
-def current_stream(device: torch.device) -> cuda.CUstream:
-    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-
-
 _forward_kernels: dict[tuple, object] = {}
 
 
@@ -95,10 +89,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
         out_k = out_k if out_k is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
         lse_k = stat_view(lse) if lse is not None else None
         lse_k = lse_k if lse_k is not None else torch.empty(lse_shape(problem), dtype=torch.float32, device=device)
-        compiled(
-            to_cute(kernel_input(q)), to_cute(kernel_input(k)), to_cute(kernel_input(v)),
-            to_cute(out_k), to_cute(lse_k, align=4), cutlass.Float32(scale), current_stream(device),
-        )
+        compiled(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
     if out is not None and out_k is not out and out_k.data_ptr() != out.data_ptr():
         out.copy_(out_k)
     if lse is not None and lse_k.data_ptr() != lse.data_ptr():

@@ -4,8 +4,8 @@ A compile key holds only what changes generated code (architecture, pass, dtype,
 causal, tiles, ...), never batch, lengths or the scale value, so one compiled kernel serves every
 size. On disk, entries live under `$CUTE_FLASH_CACHE_DIR` (default `~/.cache/cute-flash`) in a
 folder named after the package source hash and DSL version, so an edit to any kernel or a DSL
-upgrade starts a fresh folder. Each entry is the object file that `export_to_c` writes (host
-launcher + embedded cubin) plus a JSON sidecar with its SHA-256; writes are atomic (temp file +
+upgrade starts a fresh folder. Each entry is the object file that `export_to_c` writes (TVM-FFI
+host launcher + embedded cubin) plus a JSON sidecar with its SHA-256; writes are atomic (temp file +
 rename), a per-entry file lock makes concurrent processes compile a kernel once, and an entry whose
 bytes do not match its checksum, or that fails to load, is rebuilt. `CUTE_FLASH_CACHE=0` turns
 the disk cache off.
@@ -27,6 +27,10 @@ from typing import Any, Callable
 import cutlass
 import cutlass.cute as cute
 from cutlass.cutlass_dsl import CuTeDSL
+
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+"""TVM-FFI entry points take framework tensors directly: a few microseconds per call instead of
+tens per tensor for `from_dlpack`, and they check dtype, shape and device on the way in."""
 
 Build = Callable[[], tuple[Any, tuple]]
 """Returns (kernel object, fake arguments) for `cute.compile`."""
@@ -81,7 +85,7 @@ def compile_for_arch(arch: str, build: Build):
         previous = env._arch
         env.arch = arch
         try:
-            return cute.compile(kernel, *fake_args)
+            return cute.compile(kernel, *fake_args, options=COMPILE_OPTIONS)
         finally:
             env.arch = previous
 
@@ -124,7 +128,7 @@ def _load_entry(folder: Path, name: str, key: tuple):
         data = obj.read_bytes()
         if info.get("key") != repr(key) or info.get("sha256") != hashlib.sha256(data).hexdigest():
             raise ValueError("checksum or key mismatch")
-        return getattr(cute.runtime.load_module(str(obj)), _prefix(name))
+        return getattr(cute.runtime.load_module(str(obj), enable_tvm_ffi=True), _prefix(name))
     except Exception:
         stats["rebuilt_corrupt"] += 1
         for path in (obj, meta):
@@ -135,7 +139,7 @@ def _load_entry(folder: Path, name: str, key: tuple):
 
 def _store_entry(folder: Path, name: str, key: tuple, compiled, seconds: float) -> None:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        compiled.export_to_c(file_path=tmp, file_name=name, function_prefix=_prefix(name))
+        compiled.export_to_c(str(Path(tmp, f"{name}.o")), function_name=_prefix(name))
         data = Path(tmp, f"{name}.o").read_bytes()
     _atomic_write(folder / f"{name}.o", data)
     meta = {

@@ -1,9 +1,10 @@
 """How tensors cross into compiled kernels.
 
 Kernels are compiled once per compile key against *fake* tensors whose batch, sequence and
-head extents and strides are symbolic, so one compiled kernel serves every size. At call time
-real tensors (anything speaking DLPack) are converted to CuTe tensors with the same dynamic
-layout. The head dimension is the one static extent (stride 1); every other stride must be a
+head extents and strides are symbolic, so one compiled kernel serves every size. Kernels are compiled
+with TVM-FFI, so at call time framework tensors (torch, or anything speaking DLPack) are passed
+as they are: TVM-FFI checks dtype, rank, static extents, device and alignment and reads the
+dynamic extents and strides, in a few microseconds. The head dimension is the one static extent (stride 1); every other stride must be a
 multiple of 8 elements (16 bytes) so 128-bit vector copies stay legal.
 """
 
@@ -39,9 +40,14 @@ def fake_rowstat(dtype: type[cutlass.Numeric] = cutlass.Float32) -> cute.Tensor:
 
 
 def fake_stream():
-    return cute.runtime.make_fake_stream()
+    """The stream parameter. Compiled functions take it from the caller's framework (the current
+    torch stream) through TVM-FFI, so it is not passed at call time."""
+    return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
 def to_cute(tensor, *, align: int = VECTOR_BYTES) -> cute.Tensor:
-    """A DLPack tensor as a CuTe tensor whose layout matches the fake tensors above."""
+    """A DLPack tensor as a CuTe tensor whose layout matches the fake tensors above.
+
+    Only for calling a kernel compiled without TVM-FFI (scripts that `cute.compile` a kernel
+    class directly); the cache's compiled functions take framework tensors as they are."""
     return from_dlpack(tensor, assumed_align=align).mark_layout_dynamic(leading_dim=tensor.ndim - 1)
