@@ -1,0 +1,333 @@
+"""`cute-flash bench --suite NAME`: run a suite on this GPU and write one result file.
+
+Every cell is measured for every available method in the same process, so ratios compare
+like with like: same GPU, clocks, inputs and timing rules. A failure in one cell (out of
+memory, an unsupported shape, a missing backward) is recorded in that cell and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import harness, results
+from .methods import METHOD_NAMES, OURS, discover_methods
+from .suites import SUITES, Cell, attention_flops, get_suite
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+OVERHEAD_CALLS = 1000
+OVERHEAD_GOAL_US = 20.0
+
+
+class Progress:
+    """A one-line progress bar on stderr; on a non-terminal, a line every 5% or 15 s."""
+
+    def __init__(self, total: int, stream=sys.stderr, width: int = 30):
+        self.total, self.done, self.stream, self.width = max(total, 1), 0, stream, width
+        self.t0 = self._last = time.monotonic()
+        self._last_pct = -5
+        self.tty = hasattr(stream, "isatty") and stream.isatty()
+
+    def step(self, label: str, advance: int = 1) -> None:
+        """Announce the unit about to run (`advance=0`) or count it as done."""
+        self.done = min(self.total, self.done + advance)
+        frac = self.done / self.total
+        elapsed = time.monotonic() - self.t0
+        bar = "#" * int(frac * self.width) + "." * (self.width - int(frac * self.width))
+        line = f"[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label}"
+        if self.tty:
+            self.stream.write("\r\033[K" + line[:150])
+        elif frac * 100 >= self._last_pct + 5 or time.monotonic() - self._last > 15:
+            self._last_pct, self._last = frac * 100, time.monotonic()
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# ----------------------------------------------------------------------------- one cell
+
+
+def make_inputs(cell: Cell, dtype: torch.dtype, n_sets: int, grad: bool, device: str = "cuda") -> list[tuple]:
+    """`n_sets` independent (q, k, v, dout) sets of fresh N(0, 1) values."""
+    sets = []
+    for _ in range(n_sets):
+        q = torch.randn(cell.batch, cell.seqlen_q, cell.nheads, cell.headdim, dtype=dtype, device=device)
+        k = torch.randn(cell.batch, cell.seqlen_k, cell.nheads_kv, cell.headdim, dtype=dtype, device=device)
+        v = torch.randn_like(k)
+        dout = torch.randn_like(q) if grad else None
+        sets.append((q.requires_grad_(grad), k.requires_grad_(grad), v.requires_grad_(grad), dout))
+    return sets
+
+
+def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float):
+    """`run(i)` performs one `pass_` on input set i and returns its fresh outputs."""
+    if pass_ == "fwd":
+        def run(i):
+            q, k, v, _ = sets[i]
+            with torch.no_grad():
+                return fn(q, k, v, causal, scale)
+    elif pass_ == "bwd":
+        graphs = [(fn(q, k, v, causal, scale), (q, k, v), do) for q, k, v, do in sets]
+
+        def run(i):
+            out, inputs, do = graphs[i]
+            return torch.autograd.grad(out, inputs, do, retain_graph=True)
+    elif pass_ == "fwdbwd":
+        def run(i):
+            q, k, v, do = sets[i]
+            return torch.autograd.grad(fn(q, k, v, causal, scale), (q, k, v), do)
+    else:
+        raise ValueError(f"unknown pass {pass_!r}")
+    return run
+
+
+def no_autograd_means_unsupported(status: str, pass_: str) -> str:
+    """A forward that returns a tensor autograd cannot differentiate has no backward yet."""
+    if pass_ != "fwd" and status.startswith("error:") and "does not require grad" in status:
+        return "unsupported: no backward (output has no grad_fn): " + status[len("error: "):]
+    return status
+
+
+def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_bytes: int,
+                 progress: Progress, target_s: float, device: str = "cuda") -> list[dict]:
+    dtype = DTYPES[dtype_name]
+    scale = cell.headdim ** -0.5
+    grad = any(p != "fwd" for p in cell.passes)
+    set_bytes = (2 if grad else 1) * (cell.batch * cell.seqlen_q * cell.nheads
+                                     + cell.batch * cell.seqlen_k * cell.nheads_kv) * cell.headdim * dtype.itemsize
+    n_sets, flush = (1, False) if cell.kind == "memory" else harness.input_sets_needed(set_bytes, l2_bytes)
+    base = {"suite": suite, "dtype": dtype_name, **cell.key()}
+    rows = []
+    try:
+        sets = make_inputs(cell, dtype, n_sets, grad, device)
+    except Exception as exc:  # noqa: BLE001 - the inputs alone may not fit
+        status = "inputs: " + harness.classify_error(exc)
+        for pass_ in cell.passes:
+            rows += [{**base, "pass": pass_, "method": m.name, "status": status} for m in methods]
+            progress.step(f"{suite} {cell.label()} {pass_}: {status}", len(methods))
+        return rows
+
+    for pass_ in cell.passes:
+        for m in methods:
+            progress.step(f"{suite} {pass_} {cell.label()} {m.name}", 0)
+
+            def measure(m=m, pass_=pass_):
+                run = make_runner(m.fn, pass_, sets, cell.causal, scale)
+                if cell.kind == "memory":
+                    run(0)  # warm-up: compilation and one-time workspaces are not per call
+                    return {"peak_bytes": harness.measure_peak_bytes(run)}
+                stats = harness.measure_times(run, n_sets, clock, flush_l2=flush, target_s=target_s)
+                sec = stats["median"] * 1e-3
+                return {
+                    "time_ms": stats,
+                    "tflops": attention_flops(cell, pass_) / sec / 1e12,
+                    "tokens_per_s": cell.batch * cell.seqlen_q / sec,
+                    "peak_bytes": harness.measure_peak_bytes(run),
+                    "input_sets": n_sets,
+                    "l2_flush": flush,
+                }
+
+            row = {**base, "pass": pass_, "method": m.name, **harness.guarded(measure)}
+            row["status"] = no_autograd_means_unsupported(row["status"], pass_)
+            rows.append(row)
+            progress.step(f"{suite} {pass_} {cell.label()} {m.name}: {row['status'][:40]}")
+    del sets
+    harness.release_memory()
+    return rows
+
+
+# ----------------------------------------------------------------------------- machine facts
+
+
+def measure_roofline(clock) -> dict:
+    """Dense bf16 GEMM peak (torch.matmul at 8192^3) and device-to-device copy bandwidth."""
+    out = {}
+    n = 8192
+
+    def gemm():
+        a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+        stats = harness.measure_times(lambda i: torch.matmul(a, b), 1, clock, target_s=0.5)
+        return {"shape": [n, n, n], "dtype": "bf16", "time_ms": stats, "tflops": 2 * n**3 / (stats["median"] * 1e-3) / 1e12}
+
+    def copy():
+        nbytes = 1 << 30
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        stats = harness.measure_times(lambda i: dst.copy_(src), 1, clock, target_s=0.5)
+        return {"bytes": nbytes, "time_ms": stats, "gb_per_s": 2 * nbytes / (stats["median"] * 1e-3) / 1e9,
+                "note": "read + write bytes per copy"}
+
+    out["gemm"] = harness.guarded(gemm)
+    out["copy"] = harness.guarded(copy)
+    return out
+
+
+def measure_overhead(methods, clock, dtype_name: str) -> dict:
+    """Per-call host cost of a tiny forward (B=1, S=128, H=1, D=64) without CUDA graphs:
+    wall time of OVERHEAD_CALLS back-to-back calls minus their device time."""
+    dtype = DTYPES[dtype_name]
+    q, k, v = (torch.randn(1, 128, 1, 64, dtype=dtype, device=device) for _ in range(3))
+    out = {"shape": {"batch": 1, "seqlen": 128, "nheads": 1, "headdim": 64, "dtype": dtype_name},
+           "calls": OVERHEAD_CALLS, "goal_us": OVERHEAD_GOAL_US, "methods": {}}
+    for m in methods:
+        if m.name not in (OURS, "sdpa_flash", "fa4") or not m.available:
+            continue
+
+        def one(fn=m.fn):
+            def run(i):
+                with torch.no_grad():
+                    return fn(q, k, v, False, 0.125)
+
+            for _ in range(20):
+                run(0)
+            device = harness.measure_times(run, 1, clock, min_reps=200, max_reps=200)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(OVERHEAD_CALLS):
+                run(0)
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - t0) / OVERHEAD_CALLS * 1e6
+            device_us = device["median"] * 1e3
+            host_us = max(wall_us - device_us, 0.0)
+            return {"wall_us_per_call": wall_us, "device_us_per_call": device_us,
+                    "host_us_per_call": host_us, "enqueue_us_median": device["host_ms_per_call"] * 1e3,
+                    "meets_goal": host_us <= OVERHEAD_GOAL_US}
+
+        out["methods"][m.name] = harness.guarded(one)
+    return out
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summary_table(rows: list[dict]) -> str:
+    """One line per (cell, pass): TFLOP/s (speed) or peak MiB (memory) of each method."""
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    lines = [f"{'suite':6} {'pass':6} {'cell':34} " + " ".join(f"{n[:12]:>12}" for n in names)]
+    groups: dict[tuple, dict] = {}
+    for r in rows:
+        groups.setdefault(results.cell_group_key(r), {})[r["method"]] = r
+    for key, by in groups.items():
+        r0 = next(iter(by.values()))
+        cell = f"B={r0['batch']} S={r0['seqlen_q']} H={r0['nheads']} D={r0['headdim']}{' c' if r0['causal'] else ''}"
+        cols = []
+        for n in names:
+            r = by.get(n)
+            if r is None:
+                cols.append("-")
+            elif r["status"] != "ok":
+                cols.append(r["status"].split(":")[0])
+            elif r["kind"] == "memory":
+                cols.append(f"{(r['peak_bytes'] or 0) / 2**20:.0f}MiB")
+            else:
+                cols.append(f"{r['tflops']:.1f}TF")
+        lines.append(f"{r0['suite']:6} {r0['pass']:6} {cell:34} " + " ".join(f"{c[:12]:>12}" for c in cols))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="cute-flash bench", description=__doc__.splitlines()[0])
+    p.add_argument("--suite", required=True,
+                   help=f"suite name, or several joined by commas (one result file): {', '.join(SUITES)}")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the result file (default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="element type (default: the suite's own: paper/quick bf16, seed fp16)")
+    p.add_argument("--methods", default=None,
+                   help=f"comma-separated subset of: {', '.join(METHOD_NAMES)} (default: all)")
+    p.add_argument("--target-s", type=float, default=0.5, help="seconds of timed calls per measurement (default: 0.5)")
+    p.add_argument("--no-roofline", action="store_true", help="skip the GEMM-peak and copy-bandwidth measurement")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        suites = [get_suite(n.strip()) for n in args.suite.split(",") if n.strip()]
+        methods = discover_methods(args.methods.split(",") if args.methods else None)
+    except ValueError as exc:
+        print(f"cute-flash bench: {exc}", file=sys.stderr)
+        return 2
+    notes = {s.name: s.unavailable for s in suites if s.unavailable}
+    for name, note in notes.items():
+        print(f"cute-flash bench: suite {name!r} is {note}", file=sys.stderr)
+    runnable = [s for s in suites if not s.unavailable]
+    if not runnable:
+        return 0
+    if not torch.cuda.is_available():
+        print("cute-flash bench: no CUDA GPU visible; benchmarks only run on a GPU", file=sys.stderr)
+        return 2
+
+    for m in methods:
+        if not m.available:
+            print(f"cute-flash bench: skipping {m.name}: {m.note}", file=sys.stderr)
+    usable = [m for m in methods if m.available]
+    gpu = results.gpu_info()
+    doc = {
+        "schema": results.SCHEMA,
+        "suites": [s.name for s in suites],
+        "dtype": args.dtype or "suite default",
+        "created_utc": results.utc_now().isoformat(timespec="seconds"),
+        "git": results.git_commit(Path(__file__).resolve().parent),
+        "gpu": gpu,
+        "environment": results.environment(),
+        "versions": results.versions(),
+        "methods": {m.name: m.info() for m in methods},
+        "suite_notes": notes,
+        "timing": {"target_s": args.target_s, "clock": "cuda events per call, GPU held busy ahead of the host",
+                   "statistic": "median, p10/p90, IQR over reps; first call excluded"},
+    }
+
+    total = sum(len(c.passes) * len(usable) for s in runnable for c in s.cells)
+    total += 0 if args.no_roofline else 1
+    total += 1 if any(s.overhead for s in runnable) else 0
+    progress = Progress(total)
+    clock = harness.CudaClock(gpu["l2_bytes"])
+
+    doc["roofline"] = None
+    if not args.no_roofline:
+        progress.step("roofline: bf16 GEMM 8192^3 and 1 GiB copy", 0)
+        doc["roofline"] = measure_roofline(clock)
+        progress.step("roofline done")
+    doc["overhead"] = None
+    if any(s.overhead for s in runnable):
+        progress.step("host overhead: 1000 tiny forwards", 0)
+        doc["overhead"] = measure_overhead(usable, clock, args.dtype or "bf16")
+        progress.step("overhead done")
+
+    rows = []
+    for s in runnable:
+        for cell in s.cells:
+            rows += measure_cell(cell, s.name, args.dtype or s.dtype, usable, clock, gpu["l2_bytes"],
+                                 progress, args.target_s)
+    progress.close()
+    doc["measurements"] = rows
+    doc["ratios"] = results.compute_ratios(rows)
+    doc["memory_oom_at"] = results.memory_oom_points(rows)
+    path = results.write(doc, args.out)
+
+    print(summary_table(rows))
+    ov = (doc["overhead"] or {}).get("methods", {}).get(OURS)
+    if ov and ov["status"] == "ok":
+        print(f"host overhead (ours): {ov['host_us_per_call']:.1f} us/call (goal <= {OVERHEAD_GOAL_US:.0f})")
+    rf = doc["roofline"] or {}
+    if rf.get("gemm", {}).get("status") == "ok":
+        print(f"roofline: bf16 GEMM {rf['gemm']['tflops']:.0f} TFLOP/s, copy {rf['copy'].get('gb_per_s', 0):.0f} GB/s")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

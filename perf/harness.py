@@ -1,0 +1,224 @@
+"""Timing and memory measurement, independent of what is being measured.
+
+`measure_times` calls `run_once(i)` (i picks one of several input sets) under a `Clock`:
+`CudaClock` on a GPU (CUDA events around each call, the GPU kept busy with a sleep kernel so
+that host launch cost does not leak into device time, and an L2 flush when the input sets are
+small enough to stay cached), `WallClock` elsewhere (tests). Every call's output is dropped
+before the next, so no method reuses an output buffer it just wrote.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of an already sorted list."""
+    if not sorted_values:
+        raise ValueError("no values")
+    pos = (len(sorted_values) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(times_ms: list[float]) -> dict:
+    s = sorted(times_ms)
+    q25, q75 = percentile(s, 25), percentile(s, 75)
+    return {
+        "median": statistics.median(s),
+        "p10": percentile(s, 10),
+        "p90": percentile(s, 90),
+        "iqr": q75 - q25,
+        "min": s[0],
+        "max": s[-1],
+        "reps": len(s),
+    }
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def is_oom(exc: BaseException) -> bool:
+    oom_type = getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    return "OutOfMemory" in type(exc).__name__ or "out of memory" in str(exc).lower()
+
+
+def classify_error(exc: BaseException) -> str:
+    """The `status` recorded for a cell that raised: "oom", "unsupported: ..." or "error: ..."."""
+    if is_oom(exc):
+        return "oom"
+    msg = " ".join(str(exc).split())[:300]
+    name = type(exc).__name__
+    if isinstance(exc, NotImplementedError) or "Unsupported" in name or "NotImplemented" in name:
+        return f"unsupported: {name}: {msg}"
+    return f"error: {name}: {msg}"
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- clocks
+
+
+class WallClock:
+    """Host wall time around each call; for CPU tests and as a fallback."""
+
+    def sync(self) -> None:
+        pass
+
+    def hold(self, seconds: float) -> None:
+        pass
+
+    def flush_l2(self) -> None:
+        pass
+
+    def start(self):
+        return time.perf_counter()
+
+    def stop(self, token):
+        return (token, time.perf_counter())
+
+    def elapsed_ms(self, marks) -> list[float]:
+        return [(b - a) * 1e3 for a, b in marks]
+
+
+class CudaClock:
+    """CUDA events around each call on the current stream."""
+
+    def __init__(self, l2_bytes: int):
+        self._flush = torch.empty(max(2 * l2_bytes, 1 << 20), dtype=torch.int8, device="cuda")
+        self._cycles_per_s = self._calibrate_sleep()
+
+    @staticmethod
+    def _calibrate_sleep() -> float:
+        torch.cuda._sleep(1_000_000)  # first call loads the kernel
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(10_000_000)
+        b.record()
+        b.synchronize()
+        return 10_000_000 / (a.elapsed_time(b) * 1e-3)
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+    def hold(self, seconds: float) -> None:
+        """Keep the GPU busy for `seconds` so the host can queue the next calls ahead of it."""
+        if seconds > 0:
+            torch.cuda._sleep(int(min(seconds, 0.5) * self._cycles_per_s))
+
+    def flush_l2(self) -> None:
+        self._flush.zero_()
+
+    def start(self):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def stop(self, token):
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return (token, e)
+
+    def elapsed_ms(self, marks) -> list[float]:
+        torch.cuda.synchronize()
+        return [a.elapsed_time(b) for a, b in marks]
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+def input_sets_needed(set_bytes: int, l2_bytes: int, max_sets: int = 8) -> tuple[int, bool]:
+    """How many input sets to rotate among so consecutive calls do not find their inputs in
+    L2 (3x its size between reuses), and whether an explicit L2 flush is still needed."""
+    want = 3 * l2_bytes
+    n = max(1, min(max_sets, math.ceil(want / max(set_bytes, 1))))
+    return n, n * set_bytes < want
+
+
+def measure_times(
+    run_once: Callable[[int], object],
+    n_sets: int,
+    clock,
+    *,
+    flush_l2: bool = False,
+    target_s: float = 0.5,
+    min_reps: int = 10,
+    max_reps: int = 200,
+    burst: int = 25,
+) -> dict:
+    """Median and spread (ms) of `run_once`, each input set used in turn.
+
+    The first call (compilation, autotuning, allocator growth) is excluded; a few more calls
+    estimate the per-call time, which sets the repetition count to roughly `target_s` seconds.
+    """
+    run_once(0)
+    clock.sync()
+    host, t0 = [], time.perf_counter()
+    for i in range(3):
+        h = time.perf_counter()
+        out = run_once((i + 1) % n_sets)
+        host.append(time.perf_counter() - h)
+        del out
+    clock.sync()
+    per_call = (time.perf_counter() - t0) / 3
+    reps = int(max(min_reps, min(max_reps, target_s / max(per_call, 1e-9))))
+    host_s = statistics.median(host) + (20e-6 if flush_l2 else 0.0)
+
+    marks, i = [], 0
+    while len(marks) < reps:
+        n = min(burst, reps - len(marks))
+        clock.hold(1.5 * n * host_s)
+        for _ in range(n):
+            if flush_l2:
+                clock.flush_l2()
+            token = clock.start()
+            out = run_once(i % n_sets)
+            marks.append(clock.stop(token))
+            del out
+            i += 1
+        clock.sync()
+    stats = summarize(clock.elapsed_ms(marks))
+    stats["host_ms_per_call"] = statistics.median(host) * 1e3
+    return stats
+
+
+def measure_peak_bytes(run_once: Callable[[int], object]) -> int | None:
+    """Peak device memory a call adds on top of what is allocated before it (inputs excluded);
+    None without CUDA. Run one warm-up call first so one-time allocations are out."""
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    release_memory()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = run_once(0)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del out
+    return int(peak)
+
+
+def guarded(fn: Callable[[], dict]) -> dict:
+    """Run one measurement; any exception becomes a recorded status instead of a crash."""
+    try:
+        result = fn()
+        result.setdefault("status", "ok")
+        return result
+    except Exception as exc:  # noqa: BLE001 - every failure is a result to record
+        return {"status": classify_error(exc)}
+    finally:
+        release_memory()

@@ -1,0 +1,122 @@
+"""Every attention implementation the benchmark runs, behind one signature.
+
+A method is `fn(q, k, v, causal, softmax_scale) -> out` with q (batch, seqlen_q, nheads,
+headdim) and k, v (batch, seqlen_k, nheads_kv, headdim), like cute-flash. Methods that are
+not importable on this machine are still listed, with the reason, so a result file says
+what was skipped and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+OURS = "ours"
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "ours", "reference" (plain torch) or "peer" (another fast kernel)
+    description: str
+    fn: Callable | None = None
+    note: str = ""  # why it is unavailable, or a caveat
+
+    @property
+    def available(self) -> bool:
+        return self.fn is not None
+
+    def info(self) -> dict:
+        return {"kind": self.kind, "description": self.description, "available": self.available, "note": self.note}
+
+
+def standard_attention(q, k, v, causal: bool, softmax_scale: float):
+    """Attention as a textbook writes it: S = QK^T in the input dtype, softmax in fp32,
+    O = PV in the input dtype. Materialises the (seqlen_q, seqlen_k) score matrix per head."""
+    nheads, nheads_kv = q.shape[2], k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, dim) views
+    if nheads != nheads_kv:
+        k = k.repeat_interleave(nheads // nheads_kv, dim=1)
+        v = v.repeat_interleave(nheads // nheads_kv, dim=1)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * softmax_scale
+    if causal:
+        sq, sk = scores.shape[-2:]
+        hidden = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def _ours() -> Method:
+    desc = "cute_flash.flash_attn_func"
+    try:
+        import cute_flash
+
+        return Method(OURS, "ours", desc, _call_ours(cute_flash.flash_attn_func))
+    except Exception as exc:  # noqa: BLE001 - record why, never crash the run
+        return Method(OURS, "ours", desc, note=f"unavailable: {type(exc).__name__}: {exc}")
+
+
+def _call_ours(flash_attn_func):
+    def fn(q, k, v, causal, softmax_scale):
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+    return fn
+
+
+def _sdpa(name: str, backend_name: str, description: str) -> Method:
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        backend = getattr(SDPBackend, backend_name)
+    except (ImportError, AttributeError) as exc:
+        return Method(name, "peer", description, note=f"unavailable: {exc}")
+
+    def fn(q, k, v, causal, softmax_scale):
+        gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
+        with sdpa_kernel(backend):
+            out = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                       is_causal=causal, scale=softmax_scale, **gqa)
+        return out.transpose(1, 2)
+
+    kind = "reference" if backend_name == "MATH" else "peer"
+    return Method(name, kind, description, fn, note="SDPA causal is top-left aligned; all suite cells have seqlen_q == seqlen_k")
+
+
+def _fa4() -> Method:
+    desc = "FlashAttention-4, flash_attn.cute.flash_attn_func"
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as exc:  # noqa: BLE001
+        return Method("fa4", "peer", desc, note=f"unavailable: {type(exc).__name__}: {exc}")
+
+    def fn(q, k, v, causal, softmax_scale):
+        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+        return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
+
+    return Method("fa4", "peer", desc, fn)
+
+
+def discover_methods(only: list[str] | None = None) -> list[Method]:
+    methods = [
+        _ours(),
+        Method("standard", "reference", "plain torch: matmul -> fp32 softmax -> matmul", standard_attention),
+        _sdpa("sdpa_math", "MATH", "torch SDPA, MATH backend"),
+        _sdpa("sdpa_efficient", "EFFICIENT_ATTENTION", "torch SDPA, memory-efficient (xFormers) backend"),
+        _sdpa("sdpa_flash", "FLASH_ATTENTION", "torch SDPA, FlashAttention-2 backend"),
+        _sdpa("sdpa_cudnn", "CUDNN_ATTENTION", "torch SDPA, cuDNN backend"),
+        _fa4(),
+    ]
+    if only:
+        unknown = set(only) - {m.name for m in methods}
+        if unknown:
+            raise ValueError(f"unknown method(s) {sorted(unknown)}; choose from {[m.name for m in methods]}")
+        methods = [m for m in methods if m.name in only]
+    return methods
+
+
+METHOD_NAMES = ("ours", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4")
+

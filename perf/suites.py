@@ -1,0 +1,126 @@
+"""Named benchmark suites: which problems are measured, in which passes, with which dtype.
+
+A suite is data only (a list of `Cell`s); `bench.py` decides how to run them. Every cell
+here has seqlen_q == seqlen_k, so causal masking is the same whether a library aligns the
+causal diagonal top-left (torch SDPA) or bottom-right (cute-flash, FlashAttention >= 2.1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+PASSES = ("fwd", "bwd", "fwdbwd")
+
+# FLOPs of a pass relative to the forward pass (FlashAttention-2 paper convention):
+# the backward does 5 matmuls to the forward's 2, fwd+bwd is the sum.
+PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One attention problem. `kind` is "speed" (time every pass) or "memory" (peak bytes)."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_kv: int
+    headdim: int
+    causal: bool
+    passes: tuple[str, ...] = ("fwd",)
+    kind: str = "speed"
+
+    def key(self) -> dict:
+        d = asdict(self)
+        d.pop("passes")
+        return d
+
+    def label(self) -> str:
+        c = " causal" if self.causal else ""
+        return f"B={self.batch} S={self.seqlen_q} H={self.nheads} D={self.headdim}{c}"
+
+
+def attention_flops(cell: Cell, pass_: str) -> float:
+    """Matmul FLOPs: 4*B*H*Sq*Sk*D for the forward (QK^T and PV, 2 FLOPs per MAC),
+    halved when causal with Sq == Sk (about half of the score matrix is computed)."""
+    fwd = 4.0 * cell.batch * cell.nheads * cell.seqlen_q * cell.seqlen_k * cell.headdim
+    if cell.causal and cell.seqlen_q == cell.seqlen_k:
+        fwd /= 2
+    return fwd * PASS_FLOP_FACTOR[pass_]
+
+
+def attention_min_bytes(cell: Cell, pass_: str, elem_bytes: int) -> float:
+    """Compulsory global-memory traffic, for the roofline: forward reads q, k, v and writes o;
+    the backward additionally reads o, do and writes dq, dk, dv."""
+    q = cell.batch * cell.seqlen_q * cell.nheads * cell.headdim
+    kv = cell.batch * cell.seqlen_k * cell.nheads_kv * cell.headdim
+    fwd = (2 * q + 2 * kv) * elem_bytes
+    bwd = (4 * q + 4 * kv) * elem_bytes
+    return {"fwd": fwd, "bwd": bwd, "fwdbwd": fwd + bwd}[pass_]
+
+
+@dataclass
+class Suite:
+    name: str
+    description: str
+    dtype: str  # default; --dtype overrides
+    cells: list[Cell] = field(default_factory=list)
+    overhead: bool = False  # measure per-call host overhead
+    unavailable: str | None = None  # set for a registered suite that cannot run yet
+
+
+def paper_suite() -> Suite:
+    """FlashAttention-3 paper, Fig. 5-7: 16k tokens per batch, hidden 2048."""
+    cells = []
+    for headdim in (64, 128, 256):
+        nheads = 2048 // headdim
+        for causal in (False, True):
+            for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+                cells.append(Cell(16384 // seqlen, seqlen, seqlen, nheads, nheads, headdim, causal, PASSES))
+    return Suite("paper", "FA3-paper shapes: batch*seqlen = 16k, hidden 2048, hdim 64/128/256", "bf16", cells, overhead=True)
+
+
+# The seed project's tables (CuFlash-Attn) give N and batch but not heads; we fix H=8, D=64,
+# which keeps the N=64k standard-attention score matrix (8 * 64k^2 * 2 B = 64 GiB) right at the
+# edge of an 80 GB part, so its O(N^2) growth is visible until it runs out of memory.
+SEED_HEADS = 8
+SEED_HEADDIM = 64
+
+
+def seed_suite() -> Suite:
+    cells = [
+        Cell(1, n, n, SEED_HEADS, SEED_HEADS, SEED_HEADDIM, False, ("fwd", "fwdbwd"), kind="memory")
+        for n in (1024, 4096, 16384, 65536)
+    ]
+    cells += [
+        Cell(b, 1024, 1024, SEED_HEADS, SEED_HEADS, SEED_HEADDIM, True, ("fwd", "fwdbwd"))
+        for b in (1, 8, 32)
+    ]
+    return Suite("seed", "CuFlash-Attn tables: memory at N=1k..64k (B=1,H=8,D=64), speed at B=1/8/32, N=1024 causal", "fp16", cells)
+
+
+def quick_suite() -> Suite:
+    cells = [
+        Cell(8, 1024, 1024, 16, 16, 64, False, ("fwd", "bwd")),
+        Cell(8, 1024, 1024, 16, 16, 64, True, ("fwd", "bwd")),
+        Cell(4, 2048, 2048, 16, 16, 128, True, ("fwd", "bwd")),
+        Cell(2, 4096, 4096, 16, 16, 128, False, ("fwd",)),
+        Cell(1, 4096, 4096, 8, 8, 64, False, ("fwd",), kind="memory"),
+        Cell(1, 16384, 16384, 8, 8, 64, False, ("fwd",), kind="memory"),
+    ]
+    return Suite("quick", "about one minute of smoke: a few shapes, fwd and bwd", "bf16", cells, overhead=True)
+
+
+def decode_suite() -> Suite:
+    return Suite("decode", "single-token decode against a KV cache", "bf16",
+                 unavailable="not available until the KV-cache API exists")
+
+
+SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "decode": decode_suite}
+
+
+def get_suite(name: str) -> Suite:
+    try:
+        return SUITES[name]()
+    except KeyError:
+        raise ValueError(f"unknown suite {name!r}; choose from {', '.join(SUITES)}") from None

@@ -1,0 +1,34 @@
+"""Dashboard rendering from a small, clearly fake result file written to tmp_path."""
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from cute_flash.perf import dashboard, results  # noqa: E402
+
+from .test_perf_harness import fake_doc  # noqa: E402
+
+
+def test_dashboard_renders_pages_and_nonempty_pngs(tmp_path):
+    results_dir, out = tmp_path / "results", tmp_path / "dash"
+    results.write(fake_doc(), results_dir)
+    assert dashboard.main(["--results", str(results_dir), "--out", str(out)]) == 0
+
+    index = (out / "index.html").read_text()
+    assert "sm90/index.html" in index and "FAKE-TEST-GPU" in index
+    page = (out / "sm90" / "index.html").read_text()
+    expected = ["tflops-fake-fwd.png", "tflops-fake-bwd.png", "ratio-fake-fwd.png", "ratio-fake-bwd.png",
+                "memory-fake.png", "roofline-fake.png"]
+    for name in expected:
+        png = out / "sm90" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000, name
+        assert name in page
+    assert not (out / "sm90" / "tflops-fake-fwdbwd.png").exists()  # no fwd+bwd rows, no plot
+    assert "oom" in page and "fa4: unavailable: fake" in page
+
+
+def test_dashboard_lists_unreadable_files_and_empty_dirs(tmp_path):
+    (tmp_path / "broken.json").write_text("{\"schema\": \"other\"}")
+    assert dashboard.main(["--results", str(tmp_path), "--out", str(tmp_path / "d")]) == 0
+    assert "broken.json" in (tmp_path / "d" / "index.html").read_text()
+    assert dashboard.main(["--results", str(tmp_path / "missing"), "--out", str(tmp_path / "d")]) == 2

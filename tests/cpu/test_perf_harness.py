@@ -1,0 +1,302 @@
+"""Benchmark harness logic on the CPU: FLOPs, suites, file names, schema, ratios, failures.
+
+Nothing here is a GPU result: cells run tiny problems on the CPU under a wall clock only to
+exercise the bookkeeping, and documents written here live in tmp_path.
+"""
+
+import io
+import json
+
+import pytest
+import torch
+
+from cute_flash.perf import bench, harness, results
+from cute_flash.perf.__main__ import main as perf_main
+from cute_flash.perf.methods import Method, discover_methods, standard_attention
+from cute_flash.perf.suites import PASSES, Cell, attention_flops, get_suite
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def test_forward_flops_match_the_paper_formula():
+    cell = Cell(2, 1024, 1024, 16, 16, 128, False)
+    assert attention_flops(cell, "fwd") == 4 * 2 * 16 * 1024 * 1024 * 128
+
+
+def test_causal_halves_and_passes_scale():
+    dense = Cell(1, 2048, 2048, 8, 8, 64, False)
+    causal = Cell(1, 2048, 2048, 8, 8, 64, True)
+    assert attention_flops(causal, "fwd") == attention_flops(dense, "fwd") / 2
+    assert attention_flops(dense, "bwd") == 2.5 * attention_flops(dense, "fwd")
+    assert attention_flops(dense, "fwdbwd") == 3.5 * attention_flops(dense, "fwd")
+
+
+def test_causal_is_not_halved_when_lengths_differ():
+    cell = Cell(1, 128, 1024, 8, 8, 64, True)
+    assert attention_flops(cell, "fwd") == 4 * 8 * 128 * 1024 * 64
+
+
+# ----------------------------------------------------------------------------- suites
+
+
+def test_paper_suite_shapes():
+    suite = get_suite("paper")
+    assert suite.dtype == "bf16" and suite.overhead
+    assert len(suite.cells) == 3 * 2 * 6
+    for c in suite.cells:
+        assert c.batch * c.seqlen_q == 16384
+        assert c.nheads * c.headdim == 2048
+        assert c.seqlen_q == c.seqlen_k and c.passes == PASSES
+    assert {c.headdim for c in suite.cells} == {64, 128, 256}
+    assert {c.seqlen_q for c in suite.cells} == {512, 1024, 2048, 4096, 8192, 16384}
+    assert {c.causal for c in suite.cells} == {False, True}
+
+
+def test_seed_suite_shapes():
+    suite = get_suite("seed")
+    assert suite.dtype == "fp16"
+    mem = [c for c in suite.cells if c.kind == "memory"]
+    speed = [c for c in suite.cells if c.kind == "speed"]
+    assert [c.seqlen_q for c in mem] == [1024, 4096, 16384, 65536]
+    assert all(c.batch == 1 and c.headdim == 64 for c in mem)
+    assert [c.batch for c in speed] == [1, 8, 32]
+    assert all(c.seqlen_q == 1024 and c.causal for c in speed)
+
+
+def test_quick_is_small_and_decode_is_registered_but_unavailable():
+    quick = get_suite("quick")
+    assert 0 < len(quick.cells) <= 8 and quick.overhead
+    decode = get_suite("decode")
+    assert not decode.cells and "KV-cache" in decode.unavailable
+    with pytest.raises(ValueError):
+        get_suite("nope")
+
+
+def test_decode_suite_exits_cleanly_with_a_note(capsys):
+    assert bench.main(["--suite", "decode"]) == 0
+    assert "not available until the KV-cache API exists" in capsys.readouterr().err
+
+
+def test_module_entry_point_dispatches(capsys):
+    assert perf_main(["bench", "--suite", "decode"]) == 0
+    assert perf_main(["frobnicate"]) == 2
+
+
+# ----------------------------------------------------------------------------- naming
+
+
+def test_result_filename():
+    name = results.result_filename("sm90", "NVIDIA H100 80GB HBM3", "20261122", "abc1234")
+    assert name == "sm90-nvidia-h100-80gb-hbm3-20261122-abc1234.json"
+    assert results.slugify("  A100-SXM4 (40GB) ") == "a100-sxm4-40gb"
+
+
+def test_unique_path_never_overwrites(tmp_path):
+    first = results.unique_path(tmp_path, "x.json")
+    first.write_text("{}")
+    second = results.unique_path(tmp_path, "x.json")
+    assert second.name == "x-2.json"
+
+
+def test_git_commit_outside_a_repo(tmp_path):
+    assert results.git_commit(tmp_path)["commit"] == "nogit"
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_summarize_percentiles():
+    s = harness.summarize([float(x) for x in range(1, 102)])  # 1..101
+    assert s["median"] == 51 and s["p10"] == 11 and s["p90"] == 91
+    assert s["iqr"] == 50 and s["reps"] == 101 and s["min"] == 1
+
+
+def test_input_sets_rotate_small_problems_and_flush_tiny_ones():
+    l2 = 50 * 2**20
+    assert harness.input_sets_needed(4 * l2, l2) == (1, False)
+    n, flush = harness.input_sets_needed(l2, l2)
+    assert n == 3 and not flush
+    n, flush = harness.input_sets_needed(1024, l2)
+    assert n == 8 and flush
+
+
+def test_measure_times_with_wall_clock_counts_reps():
+    calls = []
+    stats = harness.measure_times(lambda i: calls.append(i), 3, harness.WallClock(), min_reps=7, max_reps=7)
+    assert stats["reps"] == 7
+    assert len(calls) == 1 + 3 + 7  # compile call, estimate, timed
+    assert set(calls) == {0, 1, 2}  # every input set is used
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def _raise(exc):
+    def fn(*args, **kwargs):
+        raise exc
+
+    return fn
+
+
+def test_oom_and_errors_are_recorded_not_raised():
+    assert harness.guarded(_raise(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")))["status"] == "oom"
+    assert harness.guarded(_raise(RuntimeError("CUDA error: out of memory")))["status"] == "oom"
+    assert harness.guarded(_raise(NotImplementedError("no bwd")))["status"].startswith("unsupported: ")
+    status = harness.guarded(_raise(ValueError("bad head dim")))["status"]
+    assert status.startswith("error: ValueError: bad head dim")
+    assert harness.guarded(lambda: {"x": 1}) == {"x": 1, "status": "ok"}
+
+
+def _fake_methods():
+    def oom(q, k, v, causal, scale):
+        raise torch.cuda.OutOfMemoryError("stand-in for a real CUDA OOM")
+
+    def forward_only(q, k, v, causal, scale):
+        return standard_attention(q, k, v, causal, scale).detach()
+
+    return [
+        Method("ours", "ours", "stand-in: forward only, like ours before its backward lands", forward_only),
+        Method("standard", "reference", "plain torch", standard_attention),
+        Method("oomer", "peer", "always out of memory", oom),
+    ]
+
+
+def test_measure_cell_end_to_end_on_cpu():
+    cell = Cell(1, 64, 64, 2, 1, 16, True, ("fwd", "bwd", "fwdbwd"))
+    progress = bench.Progress(3 * 3, stream=io.StringIO())
+    rows = bench.measure_cell(cell, "unit", "bf16", _fake_methods(), harness.WallClock(), 50 * 2**20,
+                              progress, target_s=0.0, device="cpu")
+    status = {(r["pass"], r["method"]): r["status"] for r in rows}
+    assert status[("fwd", "ours")] == "ok" and status[("fwd", "standard")] == "ok"
+    assert all(status[(p, "oomer")] == "oom" for p in ("fwd", "bwd", "fwdbwd"))
+    assert status[("bwd", "ours")].startswith("unsupported")
+    assert status[("bwd", "standard")] == "ok" and status[("fwdbwd", "standard")] == "ok"
+    ok = next(r for r in rows if r["pass"] == "bwd" and r["method"] == "standard")
+    assert ok["tflops"] == pytest.approx(attention_flops(cell, "bwd") / (ok["time_ms"]["median"] * 1e-3) / 1e12)
+    assert ok["tokens_per_s"] > 0 and ok["time_ms"]["reps"] >= 10
+    assert progress.done == 9
+
+    ratios = results.compute_ratios(rows)
+    fwd_std = next(r for r in ratios if r["pass"] == "fwd" and r["peer"] == "standard")
+    assert fwd_std["speedup"] > 0
+    bwd_std = next(r for r in ratios if r["pass"] == "bwd" and r["peer"] == "standard")
+    assert bwd_std["speedup"] is None and bwd_std["note"].startswith("ours: unsupported")
+    assert next(r for r in ratios if r["pass"] == "fwd" and r["peer"] == "oomer")["note"] == "peer: oom"
+
+
+def test_standard_attention_matches_sdpa_on_cpu():
+    torch.manual_seed(0)
+    q = torch.randn(2, 33, 4, 16, dtype=torch.float64)
+    k = torch.randn(2, 40, 2, 16, dtype=torch.float64)
+    v = torch.randn(2, 40, 2, 16, dtype=torch.float64)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.repeat_interleave(2, 2).transpose(1, 2), v.repeat_interleave(2, 2).transpose(1, 2))
+    out = standard_attention(q, k, v, False, 16 ** -0.5)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)  # its softmax runs in fp32
+
+
+def test_standard_attention_causal_is_bottom_right_aligned():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 3, 1, 8), torch.randn(1, 5, 1, 8), torch.randn(1, 5, 1, 8)
+    out = standard_attention(q, k, v, True, 1.0)
+    for i in range(3):  # row i sees keys 0 .. i + 2
+        p = torch.softmax(q[0, i, 0] @ k[0, : i + 3, 0].T, dim=-1)
+        assert torch.allclose(out[0, i, 0], p @ v[0, : i + 3, 0], atol=1e-5)
+
+
+def test_method_registry_lists_every_method_and_why_unavailable():
+    methods = {m.name: m for m in discover_methods()}
+    assert set(methods) == {"ours", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4"}
+    for m in methods.values():
+        assert m.available or m.note.startswith("unavailable")
+    with pytest.raises(ValueError):
+        discover_methods(["nope"])
+
+
+# ----------------------------------------------------------------------------- ratios
+
+
+def _row(method, median=None, status="ok", kind="speed", peak=None, seqlen=1024):
+    r = {"suite": "s", "dtype": "bf16", "pass": "fwd", "batch": 1, "seqlen_q": seqlen, "seqlen_k": seqlen,
+         "nheads": 8, "nheads_kv": 8, "headdim": 64, "causal": False, "kind": kind, "method": method, "status": status}
+    if median is not None:
+        r["time_ms"] = {"median": median}
+    if peak is not None:
+        r["peak_bytes"] = peak
+    return r
+
+
+def test_ratios_are_peer_time_over_ours():
+    ratios = results.compute_ratios([_row("ours", 1.0), _row("fa4", 1.5), _row("standard", 4.0)])
+    assert {r["peer"]: r["speedup"] for r in ratios} == {"fa4": 1.5, "standard": 4.0}
+
+
+def test_memory_ratios_and_oom_point():
+    rows = [_row("ours", kind="memory", peak=100, seqlen=n) for n in (1024, 4096)]
+    rows += [_row("standard", kind="memory", peak=400, seqlen=1024), _row("standard", kind="memory", status="oom", seqlen=4096)]
+    ratios = results.compute_ratios(rows)
+    assert [r["memory_ratio"] for r in ratios] == [4.0, None]
+    assert results.memory_oom_points(rows) == {"s/fwd/standard": 4096}
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def fake_doc() -> dict:
+    """A clearly fake result document (gpu name FAKE-TEST-GPU) for round-trip and plot tests."""
+    rows = []
+    for seqlen in (512, 1024, 2048):
+        for causal in (False, True):
+            for pass_ in ("fwd", "bwd"):
+                for method, tf in (("ours", 300.0), ("sdpa_flash", 200.0), ("standard", 50.0)):
+                    r = _row(method, 1.0, seqlen=seqlen)
+                    r.update(suite="fake", causal=causal, **{"pass": pass_})
+                    r["tflops"] = tf * seqlen / 2048
+                    t = 100 / r["tflops"]
+                    r["time_ms"] = {"median": t, "p10": 0.9 * t, "p90": 1.1 * t, "iqr": 0.1 * t, "min": 0.9 * t, "max": 1.2 * t, "reps": 10}
+                    rows.append(r)
+    for n in (1024, 4096, 16384):
+        for method, peak in (("ours", n * 1000), ("standard", n * n * 10)):
+            r = _row(method, kind="memory", peak=peak, seqlen=n)
+            r["suite"] = "fake"
+            if method == "standard" and n == 16384:
+                r = {**r, "status": "oom"}
+                del r["peak_bytes"]
+            rows.append(r)
+    return {
+        "schema": results.SCHEMA, "suites": ["fake"], "dtype": "bf16", "created_utc": "2026-01-01T00:00:00+00:00",
+        "git": {"commit": "fake000", "dirty": False},
+        "gpu": {"name": "FAKE-TEST-GPU", "arch": "sm90", "sm_count": 132, "capability": [9, 0],
+                "memory_bytes": 80 * 2**30, "l2_bytes": 50 * 2**20},
+        "environment": {"fake": True, "torch": "0", "python": "3"}, "versions": {},
+        "methods": {"ours": {"kind": "ours", "available": True, "note": ""},
+                    "fa4": {"kind": "peer", "available": False, "note": "unavailable: fake"}},
+        "roofline": {"gemm": {"status": "ok", "tflops": 700.0}, "copy": {"status": "ok", "gb_per_s": 3000.0}},
+        "overhead": {"methods": {"ours": {"status": "ok", "host_us_per_call": 12.0, "device_us_per_call": 5.0, "meets_goal": True}}},
+        "suite_notes": {}, "measurements": rows, "ratios": results.compute_ratios(rows),
+    }
+
+
+def test_json_round_trip_and_file_name(tmp_path):
+    doc = fake_doc()
+    path = results.write(doc, tmp_path)
+    assert path.name == "sm90-fake-test-gpu-20260101-fake000.json"
+    back = results.load(path)
+    back.pop("_path")
+    assert back == json.loads(json.dumps(doc))
+    assert results.write(doc, tmp_path).name.endswith("-2.json")
+
+
+def test_schema_rejects_incomplete_documents(tmp_path):
+    doc = fake_doc()
+    del doc["roofline"]
+    with pytest.raises(ValueError):
+        results.validate(doc)
+    doc = fake_doc()
+    del doc["measurements"][0]["time_ms"]
+    with pytest.raises(ValueError):
+        results.validate(doc)
+    (tmp_path / "junk.json").write_text("{}")
+    docs, skipped = results.load_dir(tmp_path)
+    assert docs == [] and skipped and skipped[0].startswith("junk.json")
