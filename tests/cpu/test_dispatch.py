@@ -1,0 +1,47 @@
+"""Dispatch: which kernel serves which GPU, and what the compile key holds."""
+
+import pytest
+import torch
+
+from cute_flash import UnsupportedDtypeError, dispatch
+
+
+@pytest.mark.parametrize("capability, target", [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a"), ((10, 0), "sm_100a")])
+def test_compile_targets(capability, target):
+    assert dispatch.target_arch_for(capability) == target
+
+
+def test_families(monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    assert dispatch.kernel_family((8, 6)) == "sm80"
+    assert dispatch.kernel_family((9, 0)) == "sm90"
+    assert dispatch.kernel_family((12, 0)) == "sm80", "newer GPUs without a specialized kernel use the sm80 family"
+    monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
+    assert dispatch.kernel_family((9, 0)) == "sm80"
+
+
+def test_fp32_has_no_kernel_yet():
+    with pytest.raises(UnsupportedDtypeError, match="bfloat16"):
+        dispatch.plan_forward((8, 0), torch.float32, 64, False)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_key_holds_only_code_shaping_values(capability, monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    plan = dispatch.plan_forward(capability, torch.bfloat16, 128, True)
+    again = dispatch.plan_forward(capability, torch.bfloat16, 128, True)
+    assert plan.key == again.key and plan.arch == dispatch.target_arch_for(capability)
+    fields = dict(plan.init_kwargs)
+    assert fields["head_dim"] == 128 and fields["causal"] is True
+    assert not {"batch", "seqlen_q", "seqlen_k", "softmax_scale", "nheads"} & set(fields)
+    others = {dispatch.plan_forward(capability, dt, d, c).key for dt in (torch.float16, torch.bfloat16) for d in (64, 72) for c in (False, True)}
+    assert len(others) == 8, "dtype, head dim and causal each change the key"
+
+
+def test_sm90_serves_its_head_dims_and_sm80_the_rest(monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    for head_dim in (64, 96, 128, 192, 256):
+        assert dispatch.plan_forward((9, 0), torch.float16, head_dim, False).kernel_cls.__name__ == "FlashAttnFwdSm90"
+    for head_dim in (8, 40, 72):
+        assert dispatch.plan_forward((9, 0), torch.float16, head_dim, False).kernel_cls.__name__ == "FlashAttnFwdSm80"
+    assert dispatch.plan_forward((8, 0), torch.float16, 128, False).kernel_cls.__name__ == "FlashAttnFwdSm80"
