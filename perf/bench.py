@@ -8,6 +8,7 @@ memory, an unsupported shape, a missing backward) is recorded in that cell and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from . import harness, results
 from .methods import METHOD_NAMES, OURS, discover_methods
-from .suites import SUITES, Cell, attention_flops, get_suite
+from .suites import PASSES, SUITES, Cell, attention_flops, get_suite
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -249,7 +250,39 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"comma-separated subset of: {', '.join(METHOD_NAMES)} (default: all)")
     p.add_argument("--target-s", type=float, default=0.5, help="seconds of timed calls per measurement (default: 0.5)")
     p.add_argument("--no-roofline", action="store_true", help="skip the GEMM-peak and copy-bandwidth measurement")
+    p.add_argument("--headdims", type=_ints, default=None, help="only these head dims, e.g. 64,128")
+    p.add_argument("--seqlens", type=_ints, default=None, help="only these seqlens, e.g. 512,1024")
+    p.add_argument("--passes", type=_passes, default=None, help="only these passes: fwd,bwd,fwdbwd")
+    p.add_argument("--causal", choices=("yes", "no"), default=None, help="only causal (yes) or non-causal (no) cells")
     return p.parse_args(argv)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _passes(text: str) -> tuple[str, ...]:
+    passes = tuple(x for x in text.split(",") if x)
+    if not set(passes) <= set(PASSES):
+        raise argparse.ArgumentTypeError(f"passes must be among {', '.join(PASSES)}")
+    return passes
+
+
+def select_cells(cells: list[Cell], args: argparse.Namespace) -> list[Cell]:
+    """The suite's cells narrowed by --headdims/--seqlens/--passes/--causal, so a long suite
+    can be split across several runs (the dashboard merges runs of one commit)."""
+    out = []
+    for c in cells:
+        if args.headdims and c.headdim not in args.headdims:
+            continue
+        if args.seqlens and c.seqlen_q not in args.seqlens:
+            continue
+        if args.causal and c.causal != (args.causal == "yes"):
+            continue
+        passes = tuple(p for p in c.passes if not args.passes or p in args.passes)
+        if passes:
+            out.append(dataclasses.replace(c, passes=passes))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,8 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, note in notes.items():
         print(f"cute-flash bench: suite {name!r} is {note}", file=sys.stderr)
     runnable = [s for s in suites if not s.unavailable]
-    if not runnable:
-        return 0
+    for s in runnable:
+        s.cells = select_cells(s.cells, args)
+    if not any(s.cells for s in runnable):
+        if runnable:
+            print("cute-flash bench: the filters left no cells to run", file=sys.stderr)
+        return 0 if not runnable else 2
     if not torch.cuda.is_available():
         print("cute-flash bench: no CUDA GPU visible; benchmarks only run on a GPU", file=sys.stderr)
         return 2
@@ -286,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": results.versions(),
         "methods": {m.name: m.info() for m in methods},
         "suite_notes": notes,
+        "filters": {k: getattr(args, k) for k in ("headdims", "seqlens", "passes", "causal") if getattr(args, k)},
         "timing": {"target_s": args.target_s, "clock": "cuda events per call, GPU held busy ahead of the host",
                    "statistic": "median, p10/p90, IQR over reps; first call excluded"},
     }

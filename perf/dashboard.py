@@ -260,19 +260,33 @@ def _page(title: str, body: str) -> str:
             f"<style>{CSS}</style></head><body><h1>{html.escape(title)}</h1>{body}</body></html>\n")
 
 
+def merge_suite(docs: list[dict], suite: str) -> tuple[dict, list[dict], int]:
+    """The newest run of `suite` (docs sorted oldest first), merged with the other runs of it
+    on the same commit and GPU (a long suite split by filters); later rows replace earlier.
+    Returns the document whose machine facts (roofline, overhead) to show, the rows, and how
+    many files were merged."""
+    having = [d for d in docs if suite in d["suites"]]
+    newest = having[-1]
+    same = [d for d in having if (d["git"]["commit"], d["gpu"]["name"]) == (newest["git"]["commit"], newest["gpu"]["name"])]
+    rows: dict[tuple, dict] = {}
+    for d in same:
+        for m in d["measurements"]:
+            if m["suite"] == suite:
+                rows[results.cell_group_key(m) + (m["method"],)] = m
+    facts = next((d for d in reversed(same) if d.get("roofline")), newest)
+    return facts, list(rows.values()), len(same)
+
+
 def render_arch(plt, arch: str, docs: list[dict], out: Path) -> Path:
     """Plots and tables for the newest run of each suite on this architecture."""
     out.mkdir(parents=True, exist_ok=True)
     docs = sorted(docs, key=lambda d: d["created_utc"])
-    newest = {}
-    for d in docs:
-        for s in d["suites"]:
-            newest[s] = d
     body = []
-    for suite, doc in newest.items():
-        rows = [m for m in doc["measurements"] if m["suite"] == suite]
-        ratios = [r for r in doc["ratios"] if r["suite"] == suite]
-        body.append(f"<h2>suite {html.escape(suite)}</h2>{_env_rows(doc)}{_machine_facts(doc)}")
+    for suite in dict.fromkeys(s for d in reversed(docs) for s in d["suites"]):
+        doc, rows, merged = merge_suite(docs, suite)
+        ratios = results.compute_ratios(rows)
+        note = f"<p>merged from {merged} result files of this commit</p>" if merged > 1 else ""
+        body.append(f"<h2>suite {html.escape(suite)}</h2>{_env_rows(doc)}{note}{_machine_facts(doc)}")
         if not rows:
             body.append(f"<p>{html.escape((doc.get('suite_notes') or {}).get(suite, 'no measurements'))}</p>")
             continue

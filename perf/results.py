@@ -16,6 +16,7 @@ A measurement is one (suite, cell, pass, method): the cell's shape fields, "kind
 from __future__ import annotations
 
 import datetime as _dt
+import importlib
 import json
 import platform
 import re
@@ -77,7 +78,7 @@ def _version(dist: str, module: str | None = None) -> str | None:
         pass
     if module:
         try:
-            return getattr(__import__(module), "__version__", "unknown")
+            return getattr(importlib.import_module(module), "__version__", "unknown")
         except Exception:  # noqa: BLE001
             return None
     return None
@@ -133,7 +134,7 @@ def versions() -> dict:
         "cute_flash": _version("cute-flash", "cute_flash"),
         "torch": _version("torch"),
         "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl", "cutlass"),
-        "flash-attn-4": _version("fa4") or _version("flash-attn-4") or _version("flash-attn"),
+        "flash-attn-4": _version("fa4") or _version("flash-attn-4") or _version("flash-attn", "flash_attn.cute"),
         "triton": _version("triton"),
         "numpy": _version("numpy"),
         "cuda-python": _version("cuda-python"),

@@ -32,3 +32,16 @@ def test_dashboard_lists_unreadable_files_and_empty_dirs(tmp_path):
     assert dashboard.main(["--results", str(tmp_path), "--out", str(tmp_path / "d")]) == 0
     assert "broken.json" in (tmp_path / "d" / "index.html").read_text()
     assert dashboard.main(["--results", str(tmp_path / "missing"), "--out", str(tmp_path / "d")]) == 2
+
+
+def test_runs_of_one_commit_are_merged_and_newer_rows_win(tmp_path):
+    older, newer = fake_doc(), fake_doc()
+    older["measurements"] = [m for m in older["measurements"] if m["pass"] == "fwd" or m["kind"] == "memory"]
+    newer["measurements"] = [m for m in newer["measurements"] if m["pass"] == "bwd"]
+    newer["created_utc"] = "2026-01-01T01:00:00+00:00"
+    doc, rows, merged = dashboard.merge_suite([older, newer], "fake")
+    assert merged == 2 and doc is newer
+    assert {r["pass"] for r in rows} == {"fwd", "bwd"}
+    other_commit = {**fake_doc(), "git": {"commit": "fake111", "dirty": False}, "created_utc": "2026-01-02T00:00:00+00:00"}
+    doc, rows, merged = dashboard.merge_suite([older, newer, other_commit], "fake")
+    assert merged == 1 and doc is other_commit

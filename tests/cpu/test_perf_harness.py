@@ -300,3 +300,11 @@ def test_schema_rejects_incomplete_documents(tmp_path):
     (tmp_path / "junk.json").write_text("{}")
     docs, skipped = results.load_dir(tmp_path)
     assert docs == [] and skipped and skipped[0].startswith("junk.json")
+
+
+def test_filters_split_a_long_suite():
+    args = bench.parse_args(["--suite", "paper", "--headdims", "128", "--seqlens", "512,1024", "--passes", "fwd", "--causal", "no"])
+    cells = bench.select_cells(get_suite("paper").cells, args)
+    assert [(c.headdim, c.seqlen_q, c.causal, c.passes) for c in cells] == [(128, 512, False, ("fwd",)), (128, 1024, False, ("fwd",))]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--suite", "paper", "--passes", "sideways"])
