@@ -21,6 +21,7 @@ from .suites import PASSES, SUITES, Cell, attention_flops, get_suite
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+DEVICE = "cuda"  # the CPU tests point this at "cpu" to exercise the whole run without a GPU
 OVERHEAD_CALLS = 1000
 OVERHEAD_GOAL_US = 20.0
 
@@ -28,8 +29,9 @@ OVERHEAD_GOAL_US = 20.0
 class Progress:
     """A one-line progress bar on stderr; on a non-terminal, a line every 5% or 15 s."""
 
-    def __init__(self, total: int, stream=sys.stderr, width: int = 30):
-        self.total, self.done, self.stream, self.width = max(total, 1), 0, stream, width
+    def __init__(self, total: int, stream=None, width: int = 30):
+        self.total, self.done, self.width = max(total, 1), 0, width
+        self.stream = sys.stderr if stream is None else stream
         self.t0 = self._last = time.monotonic()
         self._last_pct = -5
         self.tty = hasattr(stream, "isatty") and stream.isatty()
@@ -57,7 +59,7 @@ class Progress:
 # ----------------------------------------------------------------------------- one cell
 
 
-def make_inputs(cell: Cell, dtype: torch.dtype, n_sets: int, grad: bool, device: str = "cuda") -> list[tuple]:
+def make_inputs(cell: Cell, dtype: torch.dtype, n_sets: int, grad: bool, device: str = DEVICE) -> list[tuple]:
     """`n_sets` independent (q, k, v, dout) sets of fresh N(0, 1) values."""
     sets = []
     for _ in range(n_sets):
@@ -99,7 +101,7 @@ def no_autograd_means_unsupported(status: str, pass_: str) -> str:
 
 
 def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_bytes: int,
-                 progress: Progress, target_s: float, device: str = "cuda") -> list[dict]:
+                 progress: Progress, target_s: float, device: str = DEVICE) -> list[dict]:
     dtype = DTYPES[dtype_name]
     scale = cell.headdim ** -0.5
     grad = any(p != "fwd" for p in cell.passes)
@@ -177,7 +179,7 @@ def measure_overhead(methods, clock, dtype_name: str) -> dict:
     """Per-call host cost of a tiny forward (B=1, S=128, H=1, D=64) without CUDA graphs:
     wall time of OVERHEAD_CALLS back-to-back calls minus their device time."""
     dtype = DTYPES[dtype_name]
-    q, k, v = (torch.randn(1, 128, 1, 64, dtype=dtype, device=device) for _ in range(3))
+    q, k, v = (torch.randn(1, 128, 1, 64, dtype=dtype, device=DEVICE) for _ in range(3))
     out = {"shape": {"batch": 1, "seqlen": 128, "nheads": 1, "headdim": 64, "dtype": dtype_name},
            "calls": OVERHEAD_CALLS, "goal_us": OVERHEAD_GOAL_US, "methods": {}}
     for m in methods:
@@ -192,11 +194,11 @@ def measure_overhead(methods, clock, dtype_name: str) -> dict:
             for _ in range(20):
                 run(0)
             device = harness.measure_times(run, 1, clock, min_reps=200, max_reps=200)
-            torch.cuda.synchronize()
+            clock.sync()
             t0 = time.perf_counter()
             for _ in range(OVERHEAD_CALLS):
                 run(0)
-            torch.cuda.synchronize()
+            clock.sync()
             wall_us = (time.perf_counter() - t0) / OVERHEAD_CALLS * 1e6
             device_us = device["median"] * 1e3
             host_us = max(wall_us - device_us, 0.0)
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if runnable:
             print("cute-flash bench: the filters left no cells to run", file=sys.stderr)
         return 0 if not runnable else 2
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("cute-flash bench: no CUDA GPU visible; benchmarks only run on a GPU", file=sys.stderr)
         return 2
 
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     total += 0 if args.no_roofline else 1
     total += 1 if any(s.overhead for s in runnable) else 0
     progress = Progress(total)
-    clock = harness.CudaClock(gpu["l2_bytes"])
+    clock = harness.CudaClock(gpu["l2_bytes"]) if DEVICE == "cuda" else harness.WallClock()
 
     doc["roofline"] = None
     if not args.no_roofline:
@@ -349,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in runnable:
         for cell in s.cells:
             rows += measure_cell(cell, s.name, args.dtype or s.dtype, usable, clock, gpu["l2_bytes"],
-                                 progress, args.target_s)
+                                 progress, args.target_s, DEVICE)
     progress.close()
     doc["measurements"] = rows
     doc["ratios"] = results.compute_ratios(rows)

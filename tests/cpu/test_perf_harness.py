@@ -308,3 +308,30 @@ def test_filters_split_a_long_suite():
     assert [(c.headdim, c.seqlen_q, c.causal, c.passes) for c in cells] == [(128, 512, False, ("fwd",)), (128, 1024, False, ("fwd",))]
     with pytest.raises(SystemExit):
         bench.parse_args(["--suite", "paper", "--passes", "sideways"])
+
+
+def test_whole_run_on_cpu_writes_one_valid_file(tmp_path, monkeypatch, capsys):
+    """bench.main end to end with the device pointed at the CPU, fake methods and a fake GPU
+    description; the file goes to tmp_path only."""
+    from cute_flash.perf import suites
+
+    tiny = suites.Suite("tiny", "test only", "bf16", [
+        Cell(1, 32, 32, 2, 2, 16, False, ("fwd", "bwd")),
+        Cell(1, 64, 64, 2, 2, 16, False, ("fwd",), kind="memory"),
+    ], overhead=True)
+    monkeypatch.setitem(suites.SUITES, "tiny", lambda: tiny)
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "OVERHEAD_CALLS", 20)
+    monkeypatch.setattr(bench, "discover_methods", lambda only=None: _fake_methods())
+    monkeypatch.setattr(results, "gpu_info", lambda device=0: {
+        "name": "FAKE-TEST-GPU", "arch": "sm00", "capability": [0, 0], "sm_count": 1, "memory_bytes": 0, "l2_bytes": 2**20})
+    assert bench.main(["--suite", "tiny,decode", "--out", str(tmp_path), "--no-roofline", "--target-s", "0"]) == 0
+    [path] = tmp_path.glob("*.json")
+    assert path.name.startswith("sm00-fake-test-gpu-")
+    doc = results.load(path)
+    assert doc["suites"] == ["tiny", "decode"] and "KV-cache" in doc["suite_notes"]["decode"]
+    assert len(doc["measurements"]) == 3 * 3
+    assert doc["overhead"]["methods"]["ours"]["status"] == "ok"
+    assert doc["roofline"] is None
+    out = capsys.readouterr()
+    assert "wrote" in out.out and "[" in out.err  # summary on stdout, progress on stderr
