@@ -347,16 +347,22 @@ def main(argv: list[str] | None = None) -> int:
         doc["overhead"] = measure_overhead(usable, clock, args.dtype or "bf16")
         progress.step("overhead done")
 
-    rows = []
+    rows: list[dict] = []
+    path = results.new_path(doc, args.out)
+
+    def save(complete: bool) -> None:
+        doc.update(measurements=rows, ratios=results.compute_ratios(rows),
+                   memory_oom_at=results.memory_oom_points(rows), complete=complete)
+        results.write(doc, args.out, path)
+
+    save(False)
     for s in runnable:
         for cell in s.cells:
             rows += measure_cell(cell, s.name, args.dtype or s.dtype, usable, clock, gpu["l2_bytes"],
                                  progress, args.target_s, DEVICE)
+            save(False)
     progress.close()
-    doc["measurements"] = rows
-    doc["ratios"] = results.compute_ratios(rows)
-    doc["memory_oom_at"] = results.memory_oom_points(rows)
-    path = results.write(doc, args.out)
+    save(True)
 
     print(summary_table(rows))
     ov = (doc["overhead"] or {}).get("methods", {}).get(OURS)

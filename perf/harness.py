@@ -67,7 +67,10 @@ def classify_error(exc: BaseException) -> str:
 def release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:  # a sticky CUDA error: every later cell records it, the run goes on
+            pass
 
 
 # ----------------------------------------------------------------------------- clocks

@@ -6,9 +6,10 @@ One JSON document per `bench` run:
      "git": {"commit", "dirty"}, "gpu": {"name", "arch", "sm_count", ...},
      "environment": {...}, "versions": {...}, "methods": {name: {...}},
      "roofline": {...}, "overhead": {...} | null, "suite_notes": {suite: note},
-     "measurements": [...], "ratios": [...], "memory_oom_at": {...}}
+     "measurements": [...], "ratios": [...], "memory_oom_at": {...}, "complete": bool}
 
-A measurement is one (suite, cell, pass, method): the cell's shape fields, "kind" ("speed" or
+"complete" is false while the run is still going (the file is rewritten after every cell, so
+a run cut short keeps what it measured). A measurement is one (suite, cell, pass, method): the cell's shape fields, "kind" ("speed" or
 "memory"), "status" ("ok", "oom", "unsupported: ...", "error: ..."), and when ok either
 "time_ms" (median, p10, p90, iqr, min, max, reps), "tflops", "tokens_per_s", or "peak_bytes".
 """
@@ -212,12 +213,18 @@ def validate(doc: dict) -> None:
             raise ValueError(f"ok measurement without time_ms or peak_bytes: {m}")
 
 
-def write(doc: dict, out_dir: Path) -> Path:
-    validate(doc)
+def new_path(doc: dict, out_dir: Path) -> Path:
+    """A fresh file name for this run's document in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     name = result_filename(doc["gpu"]["arch"], doc["gpu"]["name"],
                            doc["created_utc"][:10].replace("-", ""), doc["git"]["commit"])
-    path = unique_path(out_dir, name)
+    return unique_path(out_dir, name)
+
+
+def write(doc: dict, out_dir: Path, path: Path | None = None) -> Path:
+    """Write `doc` atomically to `path` (rewriting it), or to a new file in `out_dir`."""
+    validate(doc)
+    path = path or new_path(doc, out_dir)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
     tmp.replace(path)

@@ -332,6 +332,6 @@ def test_whole_run_on_cpu_writes_one_valid_file(tmp_path, monkeypatch, capsys):
     assert doc["suites"] == ["tiny", "decode"] and "KV-cache" in doc["suite_notes"]["decode"]
     assert len(doc["measurements"]) == 3 * 3
     assert doc["overhead"]["methods"]["ours"]["status"] == "ok"
-    assert doc["roofline"] is None
+    assert doc["roofline"] is None and doc["complete"] is True
     out = capsys.readouterr()
     assert "wrote" in out.out and "[" in out.err  # summary on stdout, progress on stderr
