@@ -226,6 +226,8 @@ def _env_rows(doc: dict) -> str:
              ("torch / CUDA / driver", f"{env.get('torch')} / {env.get('cuda')} / {env.get('driver')}"),
              ("cutlass-dsl / python", f"{env.get('cutlass_dsl')} / {env.get('python')}"),
              ("suites", ", ".join(doc["suites"]))]
+    if doc.get("complete") is False:
+        items.append(("complete", "no: the run stopped early; this file holds what it measured"))
     skipped = [f"{n}: {i['note']}" for n, i in doc["methods"].items() if not i["available"]]
     if skipped:
         items.append(("skipped methods", "; ".join(skipped)))
