@@ -1,0 +1,550 @@
+"""FlashAttention forward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
+
+FlashAttention-2 Algorithm 1, mapped onto Hopper:
+
+* One CTA computes one (tile_m x head_dim) block of O for one (batch, head).
+* Warp group 0 is the producer: one warp issues TMA loads of Q (once) and of K, V (one
+  n_block at a time) into a `num_stages`-deep shared-memory ring guarded by mbarriers
+  (`cutlass.pipeline.PipelineTmaAsync`). It gives most of its registers to the consumers
+  (`setmaxnreg`).
+* Warp groups 1..num_wg_mma are consumers; each owns 64 rows of the Q tile and runs
+  S = Q K^T (wgmma, both operands in smem), the online softmax on the S accumulator, and
+  O += P V (wgmma with P straight from registers).
+* Intra-warp-group overlap: the S GEMM of block j is issued before waiting for the PV GEMM
+  of block j+1, so the tensor cores chew on one while the softmax of the other runs.
+* Inter-warp-group ping-pong: named barriers make the consumer warp groups take turns
+  issuing GEMMs, so one group's softmax hides behind the other group's GEMMs.
+* Epilogue: O is normalized, written to smem (reusing the Q buffer) and stored by TMA, which
+  clips rows past seqlen_q; LSE is written straight from registers.
+
+K/V blocks are visited from the last one down, so the blocks that need masking (the
+seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from ..common.blocks import BlockRanges
+from ..common.layouts import reshape_acc_to_mn
+from ..common.mask import apply_mask
+from ..common.softmax import OnlineSoftmax
+
+_LOG2E = math.log2(math.e)
+
+# Named barrier ids (0 is __syncthreads). Consumer warp group i waits on barrier
+# _SCHED_BARRIER_BASE + i before issuing its GEMMs.
+_EPILOGUE_BARRIER = 1
+_SCHED_BARRIER_BASE = 2
+
+_SMEM_BYTES = 227 * 1024
+
+
+class FlashAttnFwdSm90:
+    """Hopper forward. See the module docstring for the structure."""
+
+    _HEAD_DIMS = (64, 96, 128, 192, 256)
+
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        causal: bool,
+        tile_m: int = 128,
+        tile_n: int = 128,
+        num_stages: int = 2,
+        intra_wg_overlap: bool = True,
+        pingpong: bool = True,
+    ):
+        assert FlashAttnFwdSm90.can_implement(
+            dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
+        ), (dtype, head_dim, causal, tile_m, tile_n, num_stages)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_stages = num_stages
+        self.intra_wg_overlap = intra_wg_overlap
+        self.num_wg_mma = tile_m // 64
+        self.pingpong = pingpong and self.num_wg_mma >= 2
+        self.num_mma_threads = 128 * self.num_wg_mma
+        self.num_threads = 128 + self.num_mma_threads
+        # 64K registers per SM shared by one producer and num_wg_mma consumer warp groups.
+        self.num_producer_regs, self.num_mma_regs = {2: (24, 240), 3: (32, 160)}[
+            self.num_wg_mma
+        ]
+
+    # ------------------------------------------------------------------ host-side config
+
+    @staticmethod
+    def smem_bytes(dtype, head_dim: int, tile_m: int, tile_n: int, num_stages: int) -> int:
+        elem = dtype.width // 8
+        q = tile_m * head_dim * elem  # O reuses this buffer
+        kv = 2 * num_stages * tile_n * head_dim * elem
+        return q + kv + 1024  # alignment padding and mbarriers
+
+    @staticmethod
+    def can_implement(
+        dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
+        num_stages: int = 2, **_,
+    ) -> bool:
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            return False
+        if head_dim not in FlashAttnFwdSm90._HEAD_DIMS:
+            return False
+        if tile_m not in (128, 192) or tile_n % 16 != 0 or not 16 <= tile_n <= 256:
+            return False
+        if num_stages < 1:
+            return False
+        # Accumulator registers per consumer thread: S (tile_n/2) + P (tile_n/4) + O (head_dim/2).
+        acc_regs = tile_n // 2 + tile_n // 4 + head_dim // 2
+        if acc_regs > (200 if tile_m == 128 else 128):
+            return False
+        return FlashAttnFwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) <= _SMEM_BYTES
+
+    @staticmethod
+    def default_tiles(dtype, head_dim: int, causal: bool) -> dict:
+        if head_dim <= 64:
+            return dict(tile_m=128, tile_n=128, num_stages=2)
+        if head_dim <= 128:
+            return dict(tile_m=128, tile_n=128, num_stages=2)
+        if head_dim <= 192:
+            return dict(tile_m=128, tile_n=112, num_stages=2)
+        return dict(tile_m=128, tile_n=80, num_stages=2)
+
+    # ------------------------------------------------------------------ host entry
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: cutlass.Float32,
+        stream: cuda.CUstream,
+    ):
+        # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
+        # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
+        mQ, mK, mO = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mO)
+        ]
+        mVt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg_mma, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_wg_mma, 1, 1), tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+
+        # Swizzled smem layouts wgmma can read: Q, K are K-major; V^T is MN-major (d contiguous).
+        qk_tiler = (self.tile_m, self.tile_n, self.head_dim)
+        pv_tiler = (self.tile_m, self.head_dim, self.tile_n)
+        sQ_layout = cute.slice_(
+            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, 1),
+            (None, None, 0),
+        )
+        sK_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, self.num_stages
+        )
+        sVt_layout = sm90_utils.make_smem_layout_b(
+            LayoutEnum.COL_MAJOR, pv_tiler, self.dtype, self.num_stages
+        )
+
+        # TMA descriptors are built here, from the dynamic-layout tensors of this call.
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.head_dim)
+        )
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)),
+            (self.tile_n, self.head_dim),
+        )
+        tma_atom_V, tma_Vt = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mVt, cute.slice_(sVt_layout, (None, None, 0)),
+            (self.head_dim, self.tile_n),
+        )
+        tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
+        )
+        self.tx_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_bytes_KV = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
+
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        softmax_scale_log2 = softmax_scale * Float32(_LOG2E)
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mLSE,
+            softmax_scale_log2, tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sVt_layout, SharedStorage,
+        ).launch(
+            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ device entry
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor,
+        tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
+        tma_atom_V: cute.CopyAtom, mVt: cute.Tensor,
+        tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sVt_layout: cute.ComposedLayout,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        # Causal tiles near the end of the sequence do the most work: start them first.
+        m_block = bidx
+        if const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        seqlen_q = mQ.shape[0]
+        seqlen_k = mK.shape[0]
+
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
+                cpasync.prefetch_descriptor(atom)
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # PipelineTmaAsync releases with one elected thread per consumer warp.
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        pipeline_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1,
+            producer_group=tma_warp, consumer_group=mma_warps,
+            tx_count=self.tx_bytes_Q, defer_sync=True,
+        )
+        pipeline_k, pipeline_v = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=self.num_stages,
+                producer_group=tma_warp, consumer_group=mma_warps,
+                tx_count=self.tx_bytes_KV, defer_sync=True,
+            )
+            for mbar in (storage.mbar_K, storage.mbar_V)
+        ]
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+
+        block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
+        _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.num_producer_regs)
+            if warp_idx == 0:
+                self.load(
+                    tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
+                    pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch,
+                    n_block_max,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.num_mma_regs)
+            self.mma(
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tma_atom_O, mO, mLSE,
+                pipeline_q, pipeline_k, pipeline_v, tidx - 128, m_block, head, batch,
+                seqlen_q, seqlen_k, n_block_max, block_ranges, softmax_scale_log2,
+            )
+
+    # ------------------------------------------------------------------ producer
+
+    @cute.jit
+    def load(
+        self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
+        pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch, n_block_max,
+    ):
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
+        no_mcast = cute.make_layout(1)
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_V, 0, no_mcast, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+        )
+
+        load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
+        load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
+
+        if n_block_max > 0:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            load_K(n_block_max - 1, state)
+            pipeline_q.producer_acquire(q_state)
+            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+            if const_expr(self.intra_wg_overlap):
+                # Consumers want K of block j before V of block j+1: issue in that order.
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    state_prev = state.clone()
+                    state.advance()
+                    load_K(n_block, state)
+                    load_V(n_block + 1, state_prev)
+                load_V(0, state)
+            else:
+                load_V(n_block_max - 1, state)
+                for i in cutlass.range(n_block_max - 1, unroll=1):
+                    n_block = n_block_max - 2 - i
+                    state.advance()
+                    load_K(n_block, state)
+                    load_V(n_block, state)
+
+    def load_block(self, tma_atom, tXgX, tXsX, pipe, n_block, state):
+        pipe.producer_acquire(state)
+        cute.copy(tma_atom, tXgX[None, n_block], tXsX[None, state.index],
+                  tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # ------------------------------------------------------------------ consumers
+
+    @cute.jit
+    def mma(
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tma_atom_O, mO, mLSE,
+        pipeline_q, pipeline_k, pipeline_v, tidx, m_block, head, batch,
+        seqlen_q, seqlen_k, n_block_max, block_ranges, softmax_scale_log2,
+    ):
+        wg_idx = cute.arch.make_warp_uniform(tidx // 128)
+        wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
+        wg_pv = tiled_mma_pv.get_slice(wg_idx * 128)
+        thr_qk = tiled_mma_qk.get_slice(tidx)
+        thr_pv = tiled_mma_pv.get_slice(tidx)
+        tSrQ = tiled_mma_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
+        acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
+        acc_O.fill(0.0)
+        # P as the register A operand of the PV wgmma. Its k-blocks of 16 columns are pairs of
+        # the S accumulator's 8-column chunks, so both fragments share one register order.
+        tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        tOrP_as_acc = cute.make_tensor(tOrP.iterator, acc_S.layout)
+
+        softmax = OnlineSoftmax.create(
+            softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0])
+        )
+        softmax.reset()
+
+        tOcO_mn = reshape_acc_to_mn(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        smem_copy_O = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+            tiled_mma_pv,
+        )
+
+        c = SimpleNamespace(
+            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+            tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, tOrP_as_acc=tOrP_as_acc,
+            thr_qk=thr_qk, softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
+            seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+        )
+
+        if const_expr(self.pingpong):
+            # The last consumer warp group lets the first one go first.
+            if wg_idx == self.num_wg_mma - 1:
+                cute.arch.barrier_arrive(
+                    barrier_id=_SCHED_BARRIER_BASE, number_of_threads=256
+                )
+
+        if n_block_max > 0:
+            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipeline_q.consumer_wait(q_state)
+            n_block_causal = n_block_max
+            if const_expr(self.causal):
+                n_block_causal = block_ranges.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, 0)
+            # Blocks [0, n_block_unmasked) need no mask; the last block is always masked.
+            n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
+            if const_expr(self.intra_wg_overlap):
+                # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM.
+                pipeline_k.consumer_wait(kv_state)
+                self.gemm_qk(c, kv_state.index)
+                warpgroup.wait_group(0)
+                pipeline_k.consumer_release(kv_state)
+                self.mask(c, n_block_max - 1, True, self.causal)
+                c.softmax.online_softmax(c.acc_S, is_first=True)
+                self.convert_P(c)
+                for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
+                    kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
+                for i in cutlass.range(n_block_unmasked, unroll=1):
+                    kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
+                pipeline_v.consumer_wait(kv_state)
+                self.gemm_pv(c, kv_state.index)
+                warpgroup.wait_group(0)
+                pipeline_v.consumer_release(kv_state)
+            else:
+                kv_state = self.one_block_serial(c, kv_state, n_block_max - 1, True, self.causal, True)
+                for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
+                    kv_state = self.one_block_serial(c, kv_state, n_block_max - 2 - i, False, True, False)
+                for i in cutlass.range(n_block_unmasked, unroll=1):
+                    kv_state = self.one_block_serial(
+                        c, kv_state, n_block_unmasked - 1 - i, False, False, False
+                    )
+
+        softmax.rescale_O(acc_O, softmax.finalize())
+        self.epilogue(acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sQ, tma_atom_O, mO, mLSE, tidx,
+                      m_block, head, batch, seqlen_q)
+
+    # ------------------------------------------------------------------ one K/V block
+
+    def gemm_qk(self, c, stage):
+        gemm(c.tiled_mma_qk, c.acc_S, c.tSrQ, c.tSrK[None, None, None, stage], zero_init=True)
+
+    def gemm_pv(self, c, stage):
+        gemm(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, stage], zero_init=False)
+
+    def convert_P(self, c):
+        c.tOrP_as_acc.store(c.acc_S.load().to(self.dtype))
+
+    @cute.jit
+    def one_block(self, c, kv_state, n_block, mask_causal: cutlass.Constexpr):
+        """S GEMM of n_block overlapped with the PV GEMM of the block before it."""
+        kv_state_v = kv_state.clone()
+        kv_state.advance()
+        c.pipeline_k.consumer_wait(kv_state)
+        self.sched_wait(c.wg_idx)
+        self.gemm_qk(c, kv_state.index)
+        c.pipeline_v.consumer_wait(kv_state_v)
+        self.gemm_pv(c, kv_state_v.index)
+        self.sched_signal(c.wg_idx)
+        warpgroup.wait_group(1)
+        c.pipeline_k.consumer_release(kv_state)
+        if const_expr(mask_causal):
+            self.mask(c, n_block, False, True)
+        row_scale = c.softmax.online_softmax(c.acc_S)
+        warpgroup.wait_group(0)
+        c.pipeline_v.consumer_release(kv_state_v)
+        self.convert_P(c)
+        c.softmax.rescale_O(c.acc_O, row_scale)
+        return kv_state
+
+    @cute.jit
+    def one_block_serial(
+        self, c, kv_state, n_block, mask_seqlen: cutlass.Constexpr,
+        mask_causal: cutlass.Constexpr, is_first: cutlass.Constexpr,
+    ):
+        """S GEMM, softmax, PV GEMM of one block with no overlap inside the warp group."""
+        c.pipeline_k.consumer_wait(kv_state)
+        self.gemm_qk(c, kv_state.index)
+        warpgroup.wait_group(0)
+        c.pipeline_k.consumer_release(kv_state)
+        if const_expr(mask_seqlen or mask_causal):
+            self.mask(c, n_block, mask_seqlen, mask_causal)
+        row_scale = c.softmax.online_softmax(c.acc_S, is_first=is_first)
+        self.convert_P(c)
+        if const_expr(not is_first):
+            c.softmax.rescale_O(c.acc_O, row_scale)
+        c.pipeline_v.consumer_wait(kv_state)
+        self.gemm_pv(c, kv_state.index)
+        warpgroup.wait_group(0)
+        c.pipeline_v.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state
+
+    # ------------------------------------------------------------------ ping-pong
+
+    def sched_wait(self, wg_idx):
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=_SCHED_BARRIER_BASE + wg_idx, number_of_threads=256)
+
+    def sched_signal(self, wg_idx):
+        if const_expr(self.pingpong):
+            next_wg = wg_idx + 1
+            if const_expr(self.num_wg_mma == 2):
+                next_wg = 1 - wg_idx
+            else:
+                next_wg = (wg_idx + 1) % self.num_wg_mma
+            cute.arch.barrier_arrive(barrier_id=_SCHED_BARRIER_BASE + next_wg, number_of_threads=256)
+
+    def mask(self, c, n_block, mask_seqlen: bool, mask_causal: bool):
+        apply_mask(c.acc_S, c.thr_qk, self.tile_m, self.tile_n, c.m_block, n_block,
+                   c.seqlen_q, c.seqlen_k, mask_seqlen, mask_causal)
+
+    # ------------------------------------------------------------------ epilogue
+
+    @cute.jit
+    def epilogue(
+        self, acc_O, lse, tOcO_mn, smem_copy_O, sQ, tma_atom_O, mO, mLSE, tidx,
+        m_block, head, batch, seqlen_q,
+    ):
+        # LSE straight from registers: the thread holding column 0 of a row writes it.
+        if tOcO_mn[0, 0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[batch, head, row] = lse[r]
+
+        # O: registers -> smem (the Q buffer: each warp group overwrites only its own rows,
+        # which its last S GEMM has finished reading) -> one TMA store, clipped at seqlen_q.
+        sO = sQ
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        thr_copy_O = smem_copy_O.get_slice(tidx)
+        cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+        if tidx < 32:
+            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_O, 0, cute.make_layout(1),
+                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_atom_O, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cute.Tensor,
+         zero_init: cutlass.Constexpr):
+    """Issue one warp-group GEMM (all k-blocks) as one wgmma commit group; does not wait."""
+    warpgroup.fence()
+    # A fresh atom carries the accumulate flag: setting it on the shared tiled MMA inside a
+    # staged loop would leak a loop-local value into later uses of that tiled MMA.
+    mma_atom = cute.make_mma_atom(tiled_mma.op)
+    for k in cutlass.range_constexpr(cute.size(tCrA, mode=[2])):
+        mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
+        cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+    warpgroup.commit_group()

@@ -1,0 +1,59 @@
+"""The Hopper forward compiles for sm_90a on a CPU-only machine, into the code we intend.
+
+Each variant must use TMA loads (cp.async.bulk.tensor), wgmma, register reallocation between the
+producer and consumer warp groups (setmaxnreg), and must not spill.
+"""
+
+import pytest
+
+import cutlass
+
+from cute_flash.compile_report import compile_report
+from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
+from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream
+
+VARIANTS = [
+    (cutlass.BFloat16, 64, False),
+    (cutlass.BFloat16, 128, False),
+    (cutlass.BFloat16, 128, True),
+    (cutlass.Float16, 128, True),
+    (cutlass.BFloat16, 256, True),
+    (cutlass.Float16, 64, True),
+]
+
+
+def _fake_args(dtype, head_dim):
+    return (
+        fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim),
+        fake_bshd(dtype, head_dim), fake_rowstat(), cutlass.Float32(1.0), fake_stream(),
+    )
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,causal", VARIANTS,
+    ids=[f"{dt.__name__}-d{d}-{'causal' if c else 'full'}" for dt, d, c in VARIANTS],
+)
+def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, capsys):
+    tiles = FlashAttnFwdSm90.default_tiles(dtype, head_dim, causal)
+    assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **tiles)
+    kernel = FlashAttnFwdSm90(dtype, head_dim, causal, **tiles)
+    with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
+        report = compile_report(kernel, _fake_args(dtype, head_dim), arch="sm_90a")
+    assert "wgmma.mma_async" in report.ptx
+    assert "cp.async.bulk.tensor" in report.ptx
+    assert "setmaxnreg" in report.ptx
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
+
+
+def test_can_implement_rejects_what_this_path_does_not_serve():
+    assert not FlashAttnFwdSm90.can_implement(cutlass.Float32, 128, False)
+    assert not FlashAttnFwdSm90.can_implement(cutlass.BFloat16, 40, False)
+    assert not FlashAttnFwdSm90.can_implement(cutlass.BFloat16, 512, False)
+    # Too many stages for shared memory.
+    assert not FlashAttnFwdSm90.can_implement(
+        cutlass.BFloat16, 256, False, tile_m=128, tile_n=128, num_stages=4
+    )
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            tiles = FlashAttnFwdSm90.default_tiles(cutlass.BFloat16, head_dim, causal)
+            assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
