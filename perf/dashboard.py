@@ -21,7 +21,7 @@ from .suites import Cell, attention_flops, attention_min_bytes
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_OUT = Path("build/dashboard")
 METHOD_STYLE = {  # fixed colours so a method looks the same in every plot
-    "ours": ("tab:red", "o"), "fa4": ("tab:purple", "s"), "sdpa_flash": ("tab:blue", "^"),
+    "ours": ("tab:red", "o"), "ours_sm80": ("tab:pink", "o"), "fa4": ("tab:purple", "s"), "sdpa_flash": ("tab:blue", "^"),
     "sdpa_cudnn": ("tab:green", "v"), "sdpa_efficient": ("tab:orange", "D"),
     "sdpa_math": ("tab:brown", "x"), "standard": ("tab:gray", "+"),
 }

@@ -8,12 +8,14 @@ what was skipped and why.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 OURS = "ours"
+FORCE_ARCH = "CUTE_FLASH_KERNEL_ARCH"
 
 
 @dataclass
@@ -66,6 +68,29 @@ def _call_ours(flash_attn_func):
     return fn
 
 
+def _ours_sm80(ours: Method) -> Method:
+    """Our sm80 kernel family on a Hopper GPU (CUTE_FLASH_KERNEL_ARCH=sm80 during the call),
+    to show what the sm90 kernels add over it."""
+    desc = "cute_flash.flash_attn_func with CUTE_FLASH_KERNEL_ARCH=sm80"
+    if not ours.available:
+        return Method("ours_sm80", "ours", desc, note=ours.note)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
+        return Method("ours_sm80", "ours", desc, note="unavailable: only measured on sm90, where it differs from ours")
+
+    def fn(q, k, v, causal, softmax_scale):
+        saved = os.environ.get(FORCE_ARCH)
+        os.environ[FORCE_ARCH] = "sm80"
+        try:
+            return ours.fn(q, k, v, causal, softmax_scale)
+        finally:
+            if saved is None:
+                del os.environ[FORCE_ARCH]
+            else:
+                os.environ[FORCE_ARCH] = saved
+
+    return Method("ours_sm80", "ours", desc, fn)
+
+
 def _sdpa(name: str, backend_name: str, description: str) -> Method:
     try:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -101,8 +126,10 @@ def _fa4() -> Method:
 
 
 def discover_methods(only: list[str] | None = None) -> list[Method]:
+    ours = _ours()
     methods = [
-        _ours(),
+        ours,
+        _ours_sm80(ours),
         Method("standard", "reference", "plain torch: matmul -> fp32 softmax -> matmul", standard_attention),
         _sdpa("sdpa_math", "MATH", "torch SDPA, MATH backend"),
         _sdpa("sdpa_efficient", "EFFICIENT_ATTENTION", "torch SDPA, memory-efficient (xFormers) backend"),
@@ -118,5 +145,5 @@ def discover_methods(only: list[str] | None = None) -> list[Method]:
     return methods
 
 
-METHOD_NAMES = ("ours", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4")
+METHOD_NAMES = ("ours", "ours_sm80", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4")
 

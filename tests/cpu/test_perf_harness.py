@@ -207,7 +207,7 @@ def test_standard_attention_causal_is_bottom_right_aligned():
 
 def test_method_registry_lists_every_method_and_why_unavailable():
     methods = {m.name: m for m in discover_methods()}
-    assert set(methods) == {"ours", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4"}
+    assert set(methods) == {"ours", "ours_sm80", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4"}
     for m in methods.values():
         assert m.available or m.note.startswith("unavailable")
     with pytest.raises(ValueError):
