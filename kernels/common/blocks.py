@@ -1,0 +1,73 @@
+"""Which tiles of the score matrix a CTA visits, and which of them need masking.
+
+Causal attention is bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+
+    ranges = BlockRanges(tile_m, tile_n, causal)          # all compile time
+
+    n_block_min, n_block_max = ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        Key blocks [n_block_min, n_block_max) hold every key some query of m_block sees.
+        n_block_max may be 0 (every row of the block sees no key: out = 0, lse = -inf).
+
+    n_block_min_causal_mask = ranges.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, n_block_min)
+        Key blocks n >= this value cross the causal diagonal of m_block and need the causal mask;
+        blocks below it are fully visible. (Only the last block, n_block_max - 1, can also cross
+        seqlen_k; forward kernels mask it with mask_seqlen.)
+
+    m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        Backward mirror: query blocks [m_block_min, m_block_max) that see some key of n_block.
+
+    m_block_max_causal_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
+        Backward mirror: query blocks m < this value cross the diagonal of n_block and need the
+        causal mask; blocks from it on see the whole key block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32
+
+
+@dataclass(frozen=True)
+class BlockRanges:
+    tile_m: int
+    tile_n: int
+    causal: bool
+
+    @cute.jit
+    def n_block_min_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
+        if cutlass.const_expr(self.causal):
+            # last query row of the block sees keys up to row + seqlen_k - seqlen_q
+            last_row_end = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
+            n_idx_end = cutlass.max(last_row_end + seqlen_k - seqlen_q, 0)
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div(n_idx_end, self.tile_n))
+        return Int32(0), n_block_max
+
+    @cute.jit
+    def n_block_min_causal_mask(
+        self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32, n_block_min: Int32
+    ):
+        # the first query row of the block sees keys j < m_block * tile_m + 1 + seqlen_k - seqlen_q
+        n_idx_first_row_end = m_block * self.tile_m + 1 + seqlen_k - seqlen_q
+        return cutlass.max(n_block_min, cutlass.max(n_idx_first_row_end, 0) // self.tile_n)
+
+    @cute.jit
+    def m_block_min_max(self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        m_block_max = cute.ceil_div(seqlen_q, self.tile_m)
+        m_block_min = Int32(0)
+        if cutlass.const_expr(self.causal):
+            # the first key of the block is seen from query rows >= n_block*tile_n - (seqlen_k - seqlen_q)
+            m_idx_first = n_block * self.tile_n + seqlen_q - seqlen_k
+            m_block_min = cutlass.max(m_idx_first, 0) // self.tile_m
+        return m_block_min, m_block_max
+
+    @cute.jit
+    def m_block_max_causal_mask(
+        self, n_block: Int32, seqlen_q: Int32, seqlen_k: Int32, m_block_min: Int32
+    ):
+        # the last key of the block is seen from query rows >= (n_block+1)*tile_n - 1 - (seqlen_k - seqlen_q)
+        m_idx_all_see = (n_block + 1) * self.tile_n - 1 + seqlen_q - seqlen_k
+        return cutlass.max(m_block_min, cute.ceil_div(cutlass.max(m_idx_all_see, 0), self.tile_m))

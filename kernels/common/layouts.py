@@ -1,0 +1,75 @@
+"""Layout helpers shared by the attention kernels of every architecture.
+
+Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code):
+
+    smem_layout_atom(dtype, k_dim) -> cute.ComposedLayout
+        A swizzled (rows, k_block) smem atom for a row-major tile whose rows hold `k_dim` 16-bit
+        elements; k_block is 64 elements (128 B rows) when k_dim allows, else 32 (64 B rows).
+        The swizzle makes both the 16 B cp.async writes and the ldmatrix reads bank-conflict free.
+
+    reshape_acc_to_mn(acc) -> cute.Tensor
+        View an MMA accumulator fragment as (rows, cols) of this thread: the sm80 mma.sync layout
+        ((2, 2), MMA_M, MMA_N) becomes ((2, MMA_M), (2, MMA_N)); the sm90 wgmma layout
+        ((2, 2, V), MMA_M, MMA_N) becomes ((2, MMA_M), (2, V, MMA_N)). Row r of the view is one
+        row of the tile, shared with the 3 other threads of the quad.
+
+    reshape_acc_to_frgA(acc) -> cute.Tensor
+        View an sm80 accumulator fragment ((2, 2), MMA_M, MMA_N) as the A operand of a
+        m16n8k16 mma: ((2, 2, 2), MMA_M, MMA_N / 2). Used to feed P = softmax(S) (converted to
+        16 bits) straight from registers into the P @ V gemm.
+
+    transpose_view(s) -> cute.Tensor
+        (rows, cols, stages) smem tensor viewed as (cols, rows, stages); used to read V as the
+        (head_dim, tile_n) B operand with the transposing ldmatrix.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+
+
+def smem_layout_atom(dtype: type[cutlass.Numeric], k_dim: int) -> cute.ComposedLayout:
+    assert dtype.width == 16, "smem_layout_atom assumes 16-bit elements"
+    k_block = 64 if k_dim % 64 == 0 else 32
+    assert k_dim % k_block == 0, f"k_dim {k_dim} must be a multiple of 32"
+    # 16 B vectors (3 bits) are the unit; swizzle as many row bits as the row has 16 B chunks.
+    swizzle_bits = 3 if k_block == 64 else 2
+    return cute.make_composed_layout(
+        cute.make_swizzle(swizzle_bits, 3, 3),
+        0,
+        cute.make_layout((8, k_block), stride=(k_block, 1)),
+    )
+
+
+def reshape_acc_to_mn(acc: cute.Tensor) -> cute.Tensor:
+    layout = acc.layout
+    shape, stride = layout.shape, layout.stride
+    v_shape, v_stride = shape[0], stride[0]
+    if cutlass.const_expr(len(v_shape) == 2):
+        cols_shape = (v_shape[0], shape[2])
+        cols_stride = (v_stride[0], stride[2])
+    else:
+        cols_shape = (v_shape[0], v_shape[2], shape[2])
+        cols_stride = (v_stride[0], v_stride[2], stride[2])
+    mn = cute.make_layout(
+        ((v_shape[1], shape[1]), cols_shape),
+        stride=((v_stride[1], stride[1]), cols_stride),
+    )
+    return cute.make_tensor(acc.iterator, mn)
+
+
+def reshape_acc_to_frgA(acc: cute.Tensor) -> cute.Tensor:
+    # Two neighbouring n8 accumulator tiles hold exactly the k16 slice an A fragment needs.
+    divided = cute.logical_divide(acc.layout, (None, None, 2))
+    frg = cute.make_layout(
+        ((divided.shape[0], divided.shape[2][0]), divided.shape[1], divided.shape[2][1]),
+        stride=((divided.stride[0], divided.stride[2][0]), divided.stride[1], divided.stride[2][1]),
+    )
+    return cute.make_tensor(acc.iterator, frg)
+
+
+def transpose_view(s: cute.Tensor) -> cute.Tensor:
+    rows, cols, stages = (cute.size(s, mode=[i]) for i in range(3))
+    t = cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols))
+    return cute.composition(s, t)

@@ -1,0 +1,118 @@
+"""Online softmax over register accumulators (FlashAttention-2, Algorithm 1 lines 8-12).
+
+Works for any accumulator that `layouts.reshape_acc_to_mn` understands (sm80 mma.sync and sm90
+wgmma), where the 4 threads of a quad share each row.
+
+    softmax = OnlineSoftmax.create(scale_log2, num_rows)
+        scale_log2 = softmax_scale * log2(e): exp(scale * (s - m)) == exp2(s * scale_log2 - m * scale_log2)
+        num_rows   = rows of the tile this thread touches (cute.size(reshape_acc_to_mn(acc_O), mode=[0]))
+        softmax.row_max, softmax.row_sum: (num_rows,) Float32 register tensors (raw score units for
+        row_max; row_sum is this thread's partial sum until finalize()).
+
+    softmax.reset()
+        row_max = -inf, row_sum = 0.
+
+    row_scale = softmax.online_softmax(acc_S, is_first: Constexpr[bool], check_inf: Constexpr[bool])
+        In place: acc_S <- exp2(acc_S * scale_log2 - row_max_new * scale_log2); updates row_max and
+        row_sum and returns the factor exp2((row_max_old - row_max_new) * scale_log2) per row by
+        which the O accumulator must be rescaled (1.0 when is_first). Masked entries must be -inf
+        already; check_inf keeps fully masked rows at P = 0 instead of NaN.
+
+    softmax.rescale_O(acc_O, row_scale)
+        acc_O[row, :] *= row_scale[row].
+
+    row_scale = softmax.finalize()
+        Reduces row_sum across the quad; returns 1 / row_sum (1.0 for rows that saw no key, whose
+        acc_O is 0) and leaves the natural-log LSE in softmax.row_sum (-inf for such rows).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .layouts import reshape_acc_to_mn
+
+QUAD = 4  # threads of an mma.sync / wgmma quad that share one accumulator row
+
+
+@cute.jit
+def _quad_allreduce(val: Float32, op) -> Float32:
+    return cute.arch.warp_reduction(val, op, threads_in_group=QUAD)
+
+
+@dataclass
+class OnlineSoftmax:
+    scale_log2: Float32
+    row_max: cute.Tensor
+    row_sum: cute.Tensor
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor(num_rows, Float32)
+        row_sum = cute.make_rmem_tensor(num_rows, Float32)
+        return OnlineSoftmax(scale_log2, row_max, row_sum)
+
+    def reset(self) -> None:
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def online_softmax(
+        self,
+        acc_S: cute.Tensor,
+        is_first: cutlass.Constexpr[bool] = False,
+        check_inf: cutlass.Constexpr[bool] = True,
+    ) -> cute.Tensor:
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            s_row = acc_S_mn[r, None].load()
+            if cutlass.const_expr(is_first):
+                row_max_new = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            else:
+                row_max_new = s_row.reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
+            row_max_new = _quad_allreduce(row_max_new, cute.arch.fmax)
+            row_max_prev = self.row_max[r]
+            self.row_max[r] = row_max_new
+            if cutlass.const_expr(check_inf):
+                # A row with every key masked so far: keep P = exp2(-inf) = 0, not exp2(nan).
+                row_max_new = 0.0 if row_max_new == -Float32.inf else row_max_new
+            max_scaled = row_max_new * self.scale_log2
+            p_row = cute.math.exp2(s_row * self.scale_log2 - max_scaled, fastmath=True)
+            if cutlass.const_expr(is_first):
+                row_scale[r] = 1.0
+                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            else:
+                row_scale[r] = cute.math.exp2(
+                    row_max_prev * self.scale_log2 - max_scaled, fastmath=True
+                )
+                self.row_sum[r] = p_row.reduce(
+                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
+                )
+            acc_S_mn[r, None].store(p_row)
+        return row_scale
+
+    @cute.jit
+    def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
+        acc_O_mn = reshape_acc_to_mn(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def finalize(self) -> cute.Tensor:
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            row_sum = _quad_allreduce(self.row_sum[r], operator.add)
+            no_key = row_sum == 0.0 or row_sum != row_sum
+            row_scale[r] = cute.arch.rcp_approx(1.0 if no_key else row_sum)
+            lse = (
+                self.row_max[r] * self.scale_log2 + cute.math.log2(row_sum, fastmath=True)
+            ) * math.log(2.0)
+            self.row_sum[r] = -Float32.inf if no_key else lse
+        return row_scale

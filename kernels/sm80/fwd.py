@@ -1,0 +1,523 @@
+"""FlashAttention-2 forward for sm80+ (mma.sync m16n8k16, cp.async, ldmatrix).
+
+One CTA computes one (tile_m, head_dim) tile of O for one (batch, head): Algorithm 1 of the
+FlashAttention-2 paper with the outer loop over query tiles spread across the grid
+(m_block, head, batch) and the inner loop over key/value tiles run from the last key block down
+to the first, so that the only blocks needing masks (key tail, causal diagonal) come first.
+
+Data movement per key block n (num_stages K/V buffers in smem, cp.async groups):
+    wait K[n]            -> issue V[n - num_stages + 1]
+    S = Q K[n]^T          (ldmatrix Q, K; mma.sync, fp32 accumulators)
+    mask (boundary blocks only), online softmax, rescale O, P = bf16/fp16(S) kept in registers
+    wait V[n]            -> issue K[n - num_stages]
+    O += P V[n]           (P straight from registers as the A operand; ldmatrix.trans for V)
+Epilogue: O /= row_sum, stage O through smem (reusing sQ) for 16-byte stores, write LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warp
+import cutlass.utils as utils
+
+from ..common.blocks import BlockRanges
+from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, smem_layout_atom, transpose_view
+from ..common.mask import apply_mask
+from ..common.softmax import OnlineSoftmax
+
+SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
+VECTOR_BITS = 128
+
+
+@cute.jit
+def gemm_sm80(
+    tiled_mma: cute.TiledMma,
+    acc: cute.Tensor,
+    tCrA: cute.Tensor,
+    tCrB: cute.Tensor,
+    tCsB: cute.Tensor,
+    smem_thr_copy_B,
+    tCsA: cute.Tensor | None = None,
+    smem_thr_copy_A=None,
+    b_lookahead: cutlass.Constexpr[int] = 0,
+):
+    """acc += A @ B^T with mma.sync, B (and A unless tCsA is None: A already in registers)
+    read from smem with ldmatrix just ahead of use.
+
+    B is read in ldmatrix chunks (one chunk = one copy tile along N of one k-step, i.e. 16 rows
+    of B feeding two n8 mmas), `b_lookahead` chunks ahead of the mma that consumes them
+    (0: a whole k-step ahead). A small lookahead keeps fewer B fragments alive: that is what
+    lets a 128-row tile with a large accumulator run without spills.
+    """
+    tCrB_view = smem_thr_copy_B.retile(tCrB)
+    num_k = cute.size(tCsB, mode=[2])
+    num_chunks = cute.size(tCsB, mode=[1])
+    mma_per_chunk = cute.size(tCrB, mode=[1]) // num_chunks
+    acc_chunks = cute.logical_divide(acc, (None, None, mma_per_chunk))
+    tCrB_chunks = cute.logical_divide(tCrB, (None, mma_per_chunk, None))
+    lookahead = num_chunks if cutlass.const_expr(b_lookahead == 0) else b_lookahead
+    total = num_k * num_chunks
+    if cutlass.const_expr(tCsA is not None):
+        tCrA_view = smem_thr_copy_A.retile(tCrA)
+        cute.copy(smem_thr_copy_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
+    for i in cutlass.range_constexpr(lookahead):
+        cute.copy(smem_thr_copy_B, tCsB[None, i % num_chunks, i // num_chunks],
+                  tCrB_view[None, i % num_chunks, i // num_chunks])
+    for i in cutlass.range_constexpr(total):
+        k, j = i // num_chunks, i % num_chunks
+        if cutlass.const_expr(tCsA is not None and j == 0 and k + 1 < num_k):
+            cute.copy(smem_thr_copy_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
+        nxt = i + lookahead
+        if cutlass.const_expr(nxt < total):
+            cute.copy(smem_thr_copy_B, tCsB[None, nxt % num_chunks, nxt // num_chunks],
+                      tCrB_view[None, nxt % num_chunks, nxt // num_chunks])
+        cute.gemm(tiled_mma, acc_chunks[None, None, (None, j)], tCrA[None, None, k],
+                  tCrB_chunks[None, (None, j), k], acc_chunks[None, None, (None, j)])
+
+
+class FlashAttnFwdSm80:
+    def __init__(
+        self,
+        dtype: type[cutlass.Numeric],
+        head_dim: int,
+        causal: bool,
+        tile_m: int = 128,
+        tile_n: int = 64,
+        num_warps: int = 4,
+        num_stages: int = 2,
+        q_in_regs: bool = False,
+        b_lookahead_qk: int = 0,
+        b_lookahead_pv: int = 0,
+    ):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        # mma k-steps are 16 wide and the swizzled smem rows 32 or 64 elements: pad head_dim
+        self.tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
+        self.check_hdim = self.tile_hdim != head_dim
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.num_warps = num_warps
+        self.num_threads = num_warps * 32
+        self.num_stages = num_stages
+        self.q_in_regs = q_in_regs
+        self.b_lookahead_qk = b_lookahead_qk
+        self.b_lookahead_pv = b_lookahead_pv
+
+    @staticmethod
+    def smem_bytes(head_dim, tile_m, tile_n, num_stages, q_in_regs=False, **_) -> int:
+        tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
+        q = tile_m * tile_hdim * 2
+        kv = 2 * num_stages * tile_n * tile_hdim * 2
+        return kv + q
+
+    @staticmethod
+    def can_implement(dtype, head_dim, causal, tile_m=128, tile_n=64, num_warps=4,
+                      num_stages=2, q_in_regs=False, b_lookahead_qk=0, b_lookahead_pv=0) -> bool:
+        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+            return False
+        if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
+            return False
+        if num_stages < 1 or tile_n % 16 != 0 or tile_m % (16 * num_warps) != 0:
+            return False
+        smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, q_in_regs)
+        return smem <= SMEM_CAPACITY
+
+    @staticmethod
+    def default_tiles(dtype, head_dim, causal) -> dict:
+        if head_dim <= 64:
+            return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
+        if head_dim <= 128:
+            return dict(tile_m=128, tile_n=64, num_warps=8, num_stages=2, q_in_regs=True)
+        return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                                   == mO.element_type == self.dtype)):
+            raise TypeError("q, k, v, out must all have the kernel's dtype")
+        dtype = self.dtype
+        atom = smem_layout_atom(dtype, self.tile_hdim)
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
+        sKV_layout = cute.tile_to_shape(
+            atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2)
+        )
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+
+        # gmem <-> smem: 16-byte vectors, one smem atom row (32 or 64 elements) per group of threads
+        vec = VECTOR_BITS // dtype.width
+        threads_per_row = atom.outer.shape[1] // vec
+        thr_layout = cute.make_layout(
+            (self.num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+        )
+        val_layout = cute.make_layout((1, vec))
+        gmem_tiled_copy_QKV = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                num_bits_per_copy=VECTOR_BITS,
+            ),
+            thr_layout, val_layout,
+        )
+        gmem_tiled_copy_O = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=VECTOR_BITS),
+            thr_layout, val_layout,
+        )
+        # warps side by side along M; the N permutation makes one tile 16 wide so each B
+        # ldmatrix.x4 feeds two n8 mmas
+        tiled_mma = cute.make_tiled_mma(
+            warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+            (self.num_warps, 1, 1),
+            permutation_mnk=(self.num_warps * 16, 16, 16),
+        )
+
+        num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
+        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        softmax_scale_log2 = softmax_scale * math.log2(math.e)
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, softmax_scale_log2,
+            sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma,
+            SharedStorage,
+        ).launch(
+            grid=grid,
+            block=[self.num_threads, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        gmem_tiled_copy_QKV: cute.TiledCopy,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal):
+            # heaviest query blocks (most keys) first, for a better tail
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        seqlen_q = mQ.shape[1]
+        seqlen_k = mK.shape[1]
+        head_kv = head // (mQ.shape[2] // mK.shape[2])
+
+        ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
+        n_block_min, n_block_max = ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        # a block whose rows see no key still runs one (fully masked) iteration: out = 0, lse = -inf
+        n_block_first = cutlass.max(n_block_max - 1, n_block_min)
+
+        blk_q = (self.tile_m, self.tile_hdim)
+        blk_kv = (self.tile_n, self.tile_hdim)
+        gQ = cute.local_tile(mQ[batch, None, head, None], blk_q, (m_block, 0))
+        gK = cute.local_tile(mK[batch, None, head_kv, None], blk_kv, (None, 0))
+        gV = cute.local_tile(mV[batch, None, head_kv, None], blk_kv, (None, 0))
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = transpose_view(sV)  # (head_dim, tile_n, stage): V as the B operand of P @ V
+
+        # ---- gmem -> smem partitions and predicates ----
+        gmem_thr_copy = gmem_tiled_copy_QKV.get_slice(tidx)
+        tQgQ = gmem_thr_copy.partition_S(gQ)
+        tQsQ = gmem_thr_copy.partition_D(sQ)
+        tKgK = gmem_thr_copy.partition_S(gK)
+        tKsK = gmem_thr_copy.partition_D(sK)
+        tVgV = gmem_thr_copy.partition_S(gV)
+        tVsV = gmem_thr_copy.partition_D(sV)
+        cQ = cute.make_identity_tensor(blk_q)
+        cKV = cute.make_identity_tensor(blk_kv)
+        tQcQ = gmem_thr_copy.partition_S(cQ)
+        t0QcQ = gmem_tiled_copy_QKV.get_slice(0).partition_S(cQ)
+        tKVcKV = gmem_thr_copy.partition_S(cKV)
+        t0KVcKV = gmem_tiled_copy_QKV.get_slice(0).partition_S(cKV)
+        tQpQ = self._predicate_hdim(tQsQ, tQcQ)
+        tKVpKV = self._predicate_hdim(tKsK, tKVcKV)
+
+        # ---- MMA partitions ----
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32
+        )
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        smem_thr_copy_Q = cute.make_tiled_copy_A(
+            cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+        smem_thr_copy_K = cute.make_tiled_copy_B(
+            cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+        smem_thr_copy_V = cute.make_tiled_copy_B(
+            cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma).get_slice(tidx)
+        tSsQ = smem_thr_copy_Q.partition_S(sQ)
+        tSsK = smem_thr_copy_K.partition_S(sK)
+        tOsVt = smem_thr_copy_V.partition_S(sVt)
+
+        load_kv = partial(self._load_kv, gmem_tiled_copy_QKV, tKVcKV, t0KVcKV, tKVpKV, seqlen_k)
+
+        # ---- prologue: Q, then K/V of the first num_stages key blocks ----
+        # rows past seqlen_q are left unloaded: they only produce rows that are never stored
+        q_row_limit = seqlen_q - m_block * self.tile_m - tQcQ[0][0]
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if t0QcQ[0, m, 0][0] < q_row_limit:
+                cute.copy(gmem_tiled_copy_QKV, tQgQ[None, m, None], tQsQ[None, m, None],
+                          pred=tQpQ[None, m, None] if cutlass.const_expr(self.check_hdim) else None)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.check_hdim):
+            self._zero_hdim_padding(tQsQ, tQpQ)
+            self._zero_hdim_padding(tKsK, tKVpKV)
+            self._zero_hdim_padding(tVsV, tKVpKV)
+        load_kv(tKgK, tKsK, n_block_first, 0, True)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.num_stages > 1):
+            load_kv(tVgV, tVsV, n_block_first, 0, True)
+            cute.arch.cp_async_commit_group()
+        for stage in cutlass.range_constexpr(1, self.num_stages):
+            if n_block_first - stage >= n_block_min:
+                load_kv(tKgK, tKsK, n_block_first - stage, stage, False)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(stage < self.num_stages - 1):
+                if n_block_first - stage >= n_block_min:
+                    load_kv(tVgV, tVsV, n_block_first - stage, stage, False)
+                cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.q_in_regs):
+            # Q waits with the first K; from here on Q is read from registers only
+            cute.arch.cp_async_wait_group(self.num_stages * 2 - 2)
+            cute.arch.barrier()
+            cute.copy(smem_thr_copy_Q, tSsQ, smem_thr_copy_Q.retile(tSrQ))
+
+        softmax = OnlineSoftmax.create(
+            softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0])
+        )
+        softmax.reset()
+
+        # ---- main loop over key blocks, last to first ----
+        step = partial(
+            self._step,
+            n_block_min=n_block_min, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            thr_mma=thr_mma, tiled_mma=tiled_mma, softmax=softmax, acc_O=acc_O,
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
+            smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K,
+            smem_thr_copy_V=smem_thr_copy_V,
+            load_kv=load_kv, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
+        )
+
+        smem_read = Int32(0)
+        smem_write = Int32(self.num_stages - 1)
+        step(n_block_first, smem_read, smem_write, True, True, self.causal)
+        smem_read = self._advance(smem_read)
+        smem_write = self._advance(smem_write)
+        n_block_unmasked_end = n_block_first
+        if cutlass.const_expr(self.causal):
+            n_block_unmasked_end = cutlass.min(
+                n_block_first,
+                ranges.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, n_block_min),
+            )
+            for i in cutlass.range(n_block_first - n_block_unmasked_end, unroll=1):
+                step(n_block_first - 1 - i, smem_read, smem_write, False, False, True)
+                smem_read = self._advance(smem_read)
+                smem_write = self._advance(smem_write)
+        for i in cutlass.range(n_block_unmasked_end - n_block_min, unroll=1):
+            step(n_block_unmasked_end - 1 - i, smem_read, smem_write, False, False, False)
+            smem_read = self._advance(smem_read)
+            smem_write = self._advance(smem_write)
+
+        # ---- epilogue ----
+        row_scale = softmax.finalize()
+        softmax.rescale_O(acc_O, row_scale)
+        self._store_O_LSE(acc_O, softmax.row_sum, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma,
+                          thr_mma, tidx, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def _step(
+        self, n_block, smem_read, smem_write,
+        is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr, mask_causal: cutlass.Constexpr,
+        n_block_min, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, softmax, acc_O,
+        tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
+        smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
+        load_kv, tKgK, tKsK, tVgV, tVsV,
+    ):
+        stages = self.num_stages
+
+        def wait_and_sync():
+            # everything but the newest 2*stages-2 groups has landed, and every warp is done
+            # with the buffer we are about to overwrite
+            cute.arch.cp_async_wait_group(stages * 2 - 2)
+            cute.arch.barrier()
+
+        acc_S = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32
+        )
+        acc_S.fill(0.0)
+        wait_and_sync()  # K[n_block] ready
+        n_block_v = n_block - (stages - 1)
+        if cutlass.const_expr(stages == 1):
+            load_kv(tVgV, tVsV, n_block, 0, is_first)
+        else:
+            if n_block_v >= n_block_min:
+                load_kv(tVgV, tVsV, n_block_v, smem_write, False)
+        cute.arch.cp_async_commit_group()
+
+        # S = Q K^T
+        tSsK_cur = tSsK[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
+        gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K,
+                  tSsQ if cutlass.const_expr(not self.q_in_regs) else None, smem_thr_copy_Q,
+                  b_lookahead=self.b_lookahead_qk)
+
+        next_write = self._advance(smem_write)
+        n_block_k = n_block - stages
+        if cutlass.const_expr(stages == 1):
+            wait_and_sync()  # V[n_block] ready, every warp done with K
+            if n_block - 1 >= n_block_min:
+                load_kv(tKgK, tKsK, n_block - 1, 0, False)
+            cute.arch.cp_async_commit_group()
+
+        if cutlass.const_expr(mask_seqlen or mask_causal):
+            apply_mask(acc_S, thr_mma, self.tile_m, self.tile_n, m_block, n_block,
+                       seqlen_q, seqlen_k, mask_seqlen, mask_causal)
+        row_scale = softmax.online_softmax(acc_S, is_first=is_first,
+                                           check_inf=mask_seqlen or mask_causal or self.causal)
+        if cutlass.const_expr(not is_first):
+            softmax.rescale_O(acc_O, row_scale)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        tOrP = reshape_acc_to_frgA(rP)
+
+        if cutlass.const_expr(stages > 1):
+            wait_and_sync()  # V[n_block] ready, every warp done with K[smem_read]
+            if n_block_k >= n_block_min:
+                load_kv(tKgK, tKsK, n_block_k, next_write, False)
+            cute.arch.cp_async_commit_group()
+
+        # O += P V
+        tOsVt_cur = tOsVt[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
+        gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V,
+                  b_lookahead=self.b_lookahead_pv)
+
+    @cute.jit
+    def _advance(self, stage):
+        if cutlass.const_expr(self.num_stages == 1):
+            return stage
+        else:
+            return stage + 1 if stage < self.num_stages - 1 else 0
+
+    @cute.jit
+    def _predicate_hdim(self, tXsX, tXcX):
+        # one predicate per 16-byte vector column; rows are handled with branches
+        pred = cute.make_rmem_tensor(
+            cute.make_layout(
+                (tXsX.shape[0][1], cute.size(tXsX, mode=[1]), cute.size(tXsX, mode=[2])),
+                stride=(cute.size(tXsX, mode=[2]), 0, 1),
+            ),
+            cutlass.Boolean,
+        )
+        for v in cutlass.range_constexpr(pred.shape[0]):
+            for k in cutlass.range_constexpr(pred.shape[2]):
+                pred[v, 0, k] = tXcX[(0, v), 0, k][1] < self.head_dim
+        return pred
+
+    @cute.jit
+    def _zero_hdim_padding(self, tXsX, tXpX):
+        # padded head-dim columns are never written by the (predicated) copies: zero them once
+        # so they contribute exact zeros to Q K^T and P V
+        for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+            if not tXpX[0, 0, k]:
+                if cutlass.const_expr(cute.rank(tXsX) == 4):
+                    tXsX[None, None, k, None].fill(0.0)
+                else:
+                    tXsX[None, None, k].fill(0.0)
+
+    @cute.jit
+    def _load_kv(self, gmem_tiled_copy, tXcX, t0XcX, tXpX, seqlen_k, tXgX, tXsX, n_block, stage,
+                 need_seqlen_pred: cutlass.Constexpr):
+        hdim_pred = tXpX if cutlass.const_expr(self.check_hdim) else None
+        dst = tXsX[None, None, None, stage]
+        if cutlass.const_expr(need_seqlen_pred):
+            row_limit = seqlen_k - n_block * self.tile_n - tXcX[0][0]
+            for n in cutlass.range_constexpr(cute.size(dst.shape[1])):
+                if t0XcX[0, n, 0][0] < row_limit:
+                    cute.copy(gmem_tiled_copy, tXgX[None, n, None, n_block], dst[None, n, None],
+                              pred=hdim_pred[None, n, None] if cutlass.const_expr(self.check_hdim) else None)
+                else:
+                    # rows past seqlen_k meet P = 0: they must be finite (zero), not stale smem
+                    dst[None, n, None].fill(0.0)
+        else:
+            cute.copy(gmem_tiled_copy, tXgX[None, None, None, n_block], dst, pred=hdim_pred)
+
+    @cute.jit
+    def _store_O_LSE(self, acc_O, lse, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma,
+                     tidx, m_block, head, batch, seqlen_q):
+        # LSE: the quad thread holding column 0 of a row writes it
+        cO = cute.make_identity_tensor((self.tile_m, self.tile_hdim))
+        taccOcO = reshape_acc_to_mn(thr_mma.partition_C(cO))
+        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        if taccOcO[0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = taccOcO[r, 0][0]
+                if row < seqlen_q - m_block * self.tile_m:
+                    gLSE[row] = lse[r]
+
+        # O: registers -> smem (reusing sQ) -> 16-byte vector stores
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.arch.barrier()  # every warp is done reading sQ / sV
+        sO = sQ
+        smem_copy_atom_O = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        smem_thr_copy_O = cute.make_tiled_copy_C(smem_copy_atom_O, tiled_mma).get_slice(tidx)
+        cute.copy(smem_copy_atom_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
+        cute.arch.barrier()
+
+        gO = cute.local_tile(mO[batch, None, head, None], (self.tile_m, self.tile_hdim), (m_block, 0))
+        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
+        tOsO = gmem_thr_copy_O.partition_S(sO)
+        tOgO = gmem_thr_copy_O.partition_D(gO)
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        tOcO = gmem_thr_copy_O.partition_S(cO)
+        t0OcO = gmem_tiled_copy_O.get_slice(0).partition_S(cO)
+        tOpO = self._predicate_hdim(tOgO, tOcO)
+        row_limit = seqlen_q - m_block * self.tile_m - tOcO[0][0]
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            if t0OcO[0, m, 0][0] < row_limit:
+                cute.copy(gmem_tiled_copy_O, tOrO[None, m, None], tOgO[None, m, None],
+                          pred=tOpO[None, m, None] if cutlass.const_expr(self.check_hdim) else None)
