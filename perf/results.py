@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime as _dt
 import importlib
 import json
+import os
 import platform
 import re
 import subprocess
@@ -55,6 +56,10 @@ def unique_path(directory: Path, name: str) -> Path:
 
 
 def git_commit(repo: Path) -> dict:
+    """Short commit and dirty flag; CUTE_FLASH_GIT_COMMIT names the commit where the tree was
+    copied without its .git (a remote GPU machine)."""
+    if os.environ.get("CUTE_FLASH_GIT_COMMIT"):
+        return {"commit": os.environ["CUTE_FLASH_GIT_COMMIT"], "dirty": None, "source": "CUTE_FLASH_GIT_COMMIT"}
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()

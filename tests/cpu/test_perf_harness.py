@@ -99,8 +99,11 @@ def test_unique_path_never_overwrites(tmp_path):
     assert second.name == "x-2.json"
 
 
-def test_git_commit_outside_a_repo(tmp_path):
+def test_git_commit_outside_a_repo(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_GIT_COMMIT", raising=False)
     assert results.git_commit(tmp_path)["commit"] == "nogit"
+    monkeypatch.setenv("CUTE_FLASH_GIT_COMMIT", "abc1234")
+    assert results.git_commit(tmp_path)["commit"] == "abc1234"
 
 
 # ----------------------------------------------------------------------------- statistics
