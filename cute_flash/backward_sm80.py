@@ -10,7 +10,6 @@ summed here (a fixed-order torch reduction, so deterministic mode stays bit-repr
 
 from __future__ import annotations
 
-import cuda.bindings.driver as cuda
 import torch
 
 import cutlass
@@ -21,7 +20,7 @@ from cute_flash.cache import get_or_compile
 from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
 from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
-from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream, to_cute
+from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream
 
 
 _DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
@@ -99,9 +98,6 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     else:
         dk_out, dv_out = dk, dv
 
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-    scale = cutlass.Float32(softmax_scale)
-
     pre = get_or_compile(
         ("sm80", "bwd_pre", dtype.__name__, head_dim),
         lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim)),
@@ -116,11 +112,10 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
         lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim)),
     )
 
-    stat = lambda t: to_cute(t, align=4)  # noqa: E731
-    pre(to_cute(out), to_cute(dout), stat(lse), stat(lse_log2), stat(dpsum), stream)
-    main(to_cute(q), to_cute(k), to_cute(v), to_cute(dout), stat(lse_log2), stat(dpsum), to_cute(dq_accum),
-         to_cute(dk_out), to_cute(dv_out), stat(semaphore), scale, stream)
-    post(to_cute(dq_accum), to_cute(dq), scale, stream)
+    # TVM-FFI entry points: torch tensors as they are, the stream is the current torch stream.
+    pre(out, dout, lse, lse_log2, dpsum)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore, softmax_scale)
+    post(dq_accum, dq, softmax_scale)
     if gqa:
         group = nheads // nheads_kv
         dk.copy_(dk_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))

@@ -98,15 +98,27 @@ class FlashAttnBwdSm80:
 
     @staticmethod
     def default_tiles(dtype, head_dim: int, causal: bool) -> dict:
+        """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
+        (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
+        dO buffer wherever it fits in 163 KB
+        and registers."""
         d = _round_up(head_dim, 32)
         if d <= 64:
-            return dict(m_block_size=128, n_block_size=128, num_stages_Q=2, num_stages_dO=1,
-                        atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
-        if d <= 128:
-            return dict(m_block_size=64, n_block_size=128, num_stages_Q=2, num_stages_dO=1,
-                        atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
-        return dict(m_block_size=64, n_block_size=64, num_stages_Q=2 if d <= 192 else 1, num_stages_dO=1,
-                    atom_m_sdp=4, atom_n_dkv=4, atom_m_dq=4)
+            tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
+        elif d <= 128:
+            tiles = dict(m_block_size=64, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4,
+                         atom_m_dq=2 if d % 64 == 0 else 4)
+        else:
+            wide = d % 64 == 0
+            tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
+                         atom_m_dq=2 if wide else 4)
+        # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills.
+        stage_options = ((2, 1), (1, 1)) if 64 < d <= 128 else ((2, 2), (2, 1), (1, 1))
+        for stages_Q, stages_dO in stage_options:
+            tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
+            if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= SMEM_CAPACITY_SM80:
+                break
+        return tiles
 
     @staticmethod
     def smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
@@ -465,7 +477,7 @@ class FlashAttnBwdSm80:
             cute.arch.barrier()
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             ptr = tdQgdQaccum.iterator + cute.crd2idx(i, tdQgdQaccum.layout)
-            cute.arch.atomic_add(ptr, acc_dQ[i])
+            cute.arch.red(ptr, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
         if cutlass.const_expr(self.deterministic):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
@@ -488,9 +500,16 @@ class FlashAttnBwdSm80:
         tXrX = r2g.retile(rX)
         tXgX = r2g.partition_D(gX)
         tXcX = r2g.partition_D(cute.make_identity_tensor((n, d)))
+        # One predicate per store: an accumulator holds rows r and r + 8 of each m16 atom, so
+        # every (atom_rest, m, n) position is checked on its own.
         rows_left = seqlen_k - n_block * n
-        for i in cutlass.range_constexpr(cute.size(tXgX.shape[1])):
-            for j in cutlass.range_constexpr(cute.size(tXgX.shape[2])):
-                coord = tXcX[0, i, j]
-                if coord[0] < rows_left and coord[1] < self.head_dim:
-                    cute.copy(r2g, tXrX[None, i, j], tXgX[None, i, j])
+        pred = cute.make_rmem_tensor(
+            cute.make_layout((cute.size(tXgX, mode=[0, 1]), cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2]))),
+            cutlass.Boolean,
+        )
+        for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
+            for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
+                for j in cutlass.range_constexpr(cute.size(pred, mode=[2])):
+                    coord = tXcX[(0, v), i, j]
+                    pred[v, i, j] = coord[0] < rows_left and coord[1] < self.head_dim
+        cute.copy(r2g, tXrX, tXgX, pred=pred)
