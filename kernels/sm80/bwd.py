@@ -260,7 +260,7 @@ class FlashAttnBwdSm80:
         gdQaccum = cute.local_tile(mdQaccum[batch, None, head, None], (m, d), (None, 0))
 
         # ---------------------------------------------------------------- shared memory
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sdO = storage.sdO.get_tensor(sdO_layout)
@@ -475,7 +475,7 @@ class FlashAttnBwdSm80:
                 while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
                     pass
             cute.arch.barrier()
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+        for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
             ptr = tdQgdQaccum.iterator + cute.crd2idx(i, tdQgdQaccum.layout)
             cute.arch.red(ptr, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
         if cutlass.const_expr(self.deterministic):

@@ -1,0 +1,85 @@
+"""The sm80 backward (preprocess, main, postprocess) compiles for sm_80 on a CPU-only machine,
+into the code we intend: mma.sync fed by ldmatrix (plain and transposed) from cp.async-filled
+smem, fp32 reductions for dQ, and no register spills for any head dim we serve.
+"""
+
+import pytest
+
+import cutlass
+
+from cute_flash.backward_sm80 import (
+    main_kernel_fake_args,
+    main_kernel_key,
+    post_kernel_fake_args,
+    pre_kernel_fake_args,
+)
+from cute_flash.compile_report import compile_report
+from cute_flash.kernels.sm80.bwd import SMEM_CAPACITY_SM80, FlashAttnBwdSm80
+from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
+from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
+
+ARCH = "sm_80"
+BF16, FP16 = cutlass.BFloat16, cutlass.Float16
+
+# (dtype, head_dim, causal, deterministic, gqa): every tile family, both dtypes, an odd multiple
+# of 8 (40, padded to 64), deterministic dQ ordering and the fp32 dK/dV output used for GQA.
+MAIN_VARIANTS = [
+    (BF16, 32, False, False, False),
+    (BF16, 64, True, False, False),
+    (FP16, 96, False, True, False),
+    (BF16, 128, True, False, False),
+    (BF16, 128, False, False, True),
+    (FP16, 192, True, False, False),
+    (BF16, 256, False, True, False),
+    (BF16, 40, True, False, True),
+]
+
+
+def _id(v):
+    dtype, d, causal, det, gqa = v
+    return f"{dtype.__name__}-d{d}-{'causal' if causal else 'full'}{'-det' if det else ''}{'-gqa' if gqa else ''}"
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,deterministic,gqa", MAIN_VARIANTS, ids=[_id(v) for v in MAIN_VARIANTS])
+def test_main_kernel_compiles_to_mma_sync_without_spills(dtype, head_dim, causal, deterministic, gqa, capsys):
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+    assert FlashAttnBwdSm80.can_implement(dtype, head_dim, causal, **tiles)
+    kernel = FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles)
+    with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
+        report = compile_report(kernel, main_kernel_fake_args(dtype, head_dim, gqa), arch=ARCH)
+    ptx = report.ptx
+    assert "mma.sync.aligned.m16n8k16" in ptx
+    assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx
+    assert "cp.async" in ptx
+    assert "red." in ptx and ".add.f32" in ptx  # dQ accumulation
+    if deterministic:
+        assert "ld.acquire" in ptx  # the ordered dQ semaphore
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 40), (BF16, 256)])
+def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, capsys):
+    with capsys.disabled():
+        pre = compile_report(FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim), arch=ARCH)
+        post = compile_report(FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim), arch=ARCH)
+    assert pre.spill_bytes == 0 and post.spill_bytes == 0
+    assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
+
+
+def test_tiles_fit_and_cover_every_head_dim():
+    for head_dim in range(8, 257, 8):
+        for causal in (False, True):
+            tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal)
+            assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, **tiles), (head_dim, tiles)
+            assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= SMEM_CAPACITY_SM80
+    assert not FlashAttnBwdSm80.can_implement(cutlass.Float32, 64, False)
+    assert not FlashAttnBwdSm80.can_implement(BF16, 260, False)
+    assert not FlashAttnBwdSm80.can_implement(BF16, 44, False)
+
+
+def test_compile_key_holds_only_code_generating_choices():
+    tiles = FlashAttnBwdSm80.default_tiles(BF16, 128, True)
+    key = main_kernel_key(BF16, 128, True, False, False, tiles)
+    assert key[:6] == ("sm80", "bwd_main", "BFloat16", 128, True, False)
+    assert key != main_kernel_key(BF16, 128, True, True, False, tiles)
+    assert key != main_kernel_key(BF16, 128, True, False, True, tiles)
