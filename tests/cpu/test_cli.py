@@ -1,0 +1,27 @@
+"""The command line, CPU side: info and check (a compile of real kernels for their targets)."""
+
+import pytest
+
+from cute_flash import cli
+
+
+def test_info(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "nvidia-cutlass-dsl 4.8.1" in out and "disk cache" in out
+
+
+@pytest.mark.parametrize("arch, family, instructions", [
+    ("sm_80", "sm80", ("mma.sync", "ldmatrix", "cp.async")),
+    ("sm_90a", "sm90", ("wgmma.mma_async", "cp.async.bulk.tensor")),
+])
+def test_check_reports_resources_and_instructions(capsys, arch, family, instructions):
+    code = cli.main(["check", "--arch", arch, "--head-dims", "128", "--dtypes", "bfloat16", "--jobs", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if line.startswith("fwd/")]
+    assert len(rows) == 2 and all(f"fwd/{family}/bfloat16/d128" in r for r in rows)
+    for row in rows:
+        assert all(f"{ins}=" in row and f"{ins}=0" not in row for ins in instructions), row
+        assert "FAIL" not in row
+    assert "2 variants, 0 with spills or missing instructions" in out
