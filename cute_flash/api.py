@@ -24,21 +24,26 @@ def as_torch(name: str, t):
 def _normalized_strides(t: torch.Tensor) -> tuple[int, ...]:
     """Strides with size-1 modes given harmless values (their stride is never multiplied by a
     non-zero index, but the kernel's layout assumes the same divisibility for every stride)."""
-    strides = list(t.stride())
-    for i, size in enumerate(t.shape):
-        if size == 1:
-            strides[i] = 1 if i == t.dim() - 1 else VECTOR_BYTES
-    return tuple(strides)
+    last = t.dim() - 1
+    return tuple((1 if i == last else VECTOR_BYTES) if size == 1 else stride
+                 for i, (size, stride) in enumerate(zip(t.shape, t.stride())))
+
+
+def _addressable(strides, vector: int) -> bool:
+    return strides[-1] == 1 and all(s % vector == 0 for s in strides[:-1])
 
 
 def kernel_view(t: torch.Tensor) -> torch.Tensor | None:
     """`t` itself (re-strided on size-1 modes) if kernels can address it directly, else None:
     last stride 1, other strides multiples of 16 bytes, base 16-byte aligned."""
-    strides = _normalized_strides(t)
-    vector = VECTOR_BYTES // t.element_size()
-    if strides[-1] != 1 or any(s % vector for s in strides[:-1]) or t.data_ptr() % VECTOR_BYTES:
+    if t.data_ptr() % VECTOR_BYTES:
         return None
-    return t if strides == t.stride() else t.as_strided(t.shape, strides)
+    vector = VECTOR_BYTES // t.element_size()
+    strides = t.stride()
+    if _addressable(strides, vector):
+        return t
+    strides = _normalized_strides(t)
+    return t.as_strided(t.shape, strides) if _addressable(strides, vector) else None
 
 
 def kernel_input(t: torch.Tensor) -> torch.Tensor:
@@ -48,20 +53,21 @@ def kernel_input(t: torch.Tensor) -> torch.Tensor:
 
 def stat_view(t: torch.Tensor) -> torch.Tensor | None:
     """A (batch, nheads, seqlen) fp32 statistic kernels can write directly, else None."""
+    if t.stride()[-1] == 1:
+        return t if t.data_ptr() % 4 == 0 else None
     strides = _normalized_strides(t)
-    if strides[-1] != 1 or t.data_ptr() % 4:
-        return None
-    return t if strides == t.stride() else t.as_strided(t.shape, strides)
+    return t.as_strided(t.shape, strides) if strides[-1] == 1 and t.data_ptr() % 4 == 0 else None
 
 
 _forward_kernels: dict[tuple, object] = {}
 
 
 def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool):
-    key = (device.index, dtype, head_dim, causal, dispatch.kernel_family(torch.cuda.get_device_capability(device)))
+    capability = dispatch.capability(device.index)
+    key = (device.index, dtype, head_dim, causal, dispatch.kernel_family(capability))
     compiled = _forward_kernels.get(key)
     if compiled is None:
-        compiled = dispatch.plan_forward(torch.cuda.get_device_capability(device), dtype, head_dim, causal).compiled()
+        compiled = dispatch.plan_forward(capability, dtype, head_dim, causal).compiled()
         _forward_kernels[key] = compiled
     return compiled
 

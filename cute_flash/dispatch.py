@@ -29,15 +29,13 @@ def target_arch_for(capability: tuple[int, int]) -> str:
 
 
 @lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
+def capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def target_arch(device: torch.device | int | None = None) -> str:
-    index = torch.cuda.current_device() if device is None else torch.device("cuda", device).index if isinstance(device, int) else device.index
-    if index is None:
-        index = torch.cuda.current_device()
-    return target_arch_for(_capability(index))
+def target_arch(device_index: int | None = None) -> str:
+    """The compile target of a GPU (default: the current one)."""
+    return target_arch_for(capability(torch.cuda.current_device() if device_index is None else device_index))
 
 
 def kernel_family(capability: tuple[int, int]) -> str:

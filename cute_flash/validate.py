@@ -72,7 +72,9 @@ def check_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     (device,) = devices
     if device.type != "cuda":
         raise CudaError(f"tensors must be on a CUDA GPU, got device '{device}'")
-    capability = torch.cuda.get_device_capability(device)
+    from .dispatch import capability as device_capability
+
+    capability = device_capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)
         raise CudaError(
