@@ -207,7 +207,22 @@ def measure_overhead(methods, clock, dtype_name: str) -> dict:
                     "meets_goal": host_us <= OVERHEAD_GOAL_US}
 
         out["methods"][m.name] = harness.guarded(one)
+    out["torch_add_us_per_call"] = eager_op_us(clock)
     return out
+
+
+def eager_op_us(clock) -> float:
+    """Wall time per call of one tiny eager `torch.add`: this host's cost of a single PyTorch
+    op launch, the yardstick for the overhead numbers above (they vary with the CPU)."""
+    x = torch.ones(1, device=DEVICE)
+    for _ in range(20):
+        torch.add(x, x)
+    clock.sync()
+    t0 = time.perf_counter()
+    for _ in range(OVERHEAD_CALLS):
+        torch.add(x, x)
+    clock.sync()
+    return (time.perf_counter() - t0) / OVERHEAD_CALLS * 1e6
 
 
 # ----------------------------------------------------------------------------- report
@@ -367,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     print(summary_table(rows))
     ov = (doc["overhead"] or {}).get("methods", {}).get(OURS)
     if ov and ov["status"] == "ok":
-        print(f"host overhead (ours): {ov['host_us_per_call']:.1f} us/call (goal <= {OVERHEAD_GOAL_US:.0f})")
+        print(f"host overhead (ours): {ov['host_us_per_call']:.1f} us/call (goal <= {OVERHEAD_GOAL_US:.0f}); "
+              f"one eager torch.add on this host: {doc['overhead']['torch_add_us_per_call']:.1f} us")
     rf = doc["roofline"] or {}
     if rf.get("gemm", {}).get("status") == "ok":
         print(f"roofline: bf16 GEMM {rf['gemm']['tflops']:.0f} TFLOP/s, copy {rf['copy'].get('gb_per_s', 0):.0f} GB/s")

@@ -59,6 +59,23 @@ def _x_axis(rows: list[dict]) -> str:
     return "seqlen_q" if len({r["seqlen_q"] for r in rows}) > 1 else "batch"
 
 
+def _cell_text(r: dict) -> str:
+    return f"B={r['batch']} S={r['seqlen_q']} H={r['nheads']}"
+
+
+def _bars(ax, values: dict[str, float], ylabel: str, title: str, baseline: float | None = None) -> None:
+    """A panel with one problem size: one bar per method, labelled with its value."""
+    names = list(values)
+    bars = ax.bar(range(len(names)), [values[n] for n in names], color=[_style(n)[0] for n in names])
+    ax.bar_label(bars, fmt="%.2f" if baseline else "%.0f", fontsize=7)
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    if baseline is not None:
+        ax.axhline(baseline, color="black", lw=0.8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3, axis="y")
+
+
 def _grid(plt, panels: list, title: str):
     cols = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / cols)
@@ -97,6 +114,10 @@ def plot_tflops(plt, rows: list[dict], suite: str, pass_: str, path: Path) -> Pa
     fig, axes = _grid(plt, list(panels), f"{suite}: {PASS_TITLE[pass_]} TFLOP/s")
     for ax, (key, group) in zip(axes, panels.items()):
         xkey = _x_axis(group)
+        if len({r[xkey] for r in group}) == 1:
+            _bars(ax, {r["method"]: r["tflops"] for r in group if r["status"] == "ok"}, "TFLOP/s",
+                  f"{_panel_title(key)}, {_cell_text(group[0])}")
+            continue
         for method in dict.fromkeys(r["method"] for r in group):
             pts = sorted((r[xkey], r["tflops"]) for r in group if r["method"] == method and r["status"] == "ok")
             if pts:
@@ -119,6 +140,10 @@ def plot_ratios(plt, ratios: list[dict], suite: str, pass_: str, path: Path) -> 
     fig, axes = _grid(plt, list(panels), f"{suite}: {PASS_TITLE[pass_]} speedup of ours over each peer (>1: ours faster)")
     for ax, (key, group) in zip(axes, panels.items()):
         xkey = _x_axis(group)
+        if len({r[xkey] for r in group}) == 1:
+            _bars(ax, {r["peer"]: r["speedup"] for r in group if r["speedup"]}, "speedup of ours",
+                  f"{_panel_title(key)}, {_cell_text(group[0])}", baseline=1.0)
+            continue
         for peer in dict.fromkeys(r["peer"] for r in group):
             pts = sorted((r[xkey], r["speedup"]) for r in group if r["peer"] == peer and r["speedup"])
             if pts:
@@ -243,6 +268,8 @@ def _machine_facts(doc: dict) -> str:
         parts.append(f"bf16 GEMM 8192³: {roof['gemm']['tflops']:.0f} TFLOP/s")
     if roof.get("copy", {}).get("status") == "ok":
         parts.append(f"device copy: {roof['copy']['gb_per_s']:.0f} GB/s")
+    if (doc.get("overhead") or {}).get("torch_add_us_per_call"):
+        parts.append(f"one eager torch.add on this host: {doc['overhead']['torch_add_us_per_call']:.1f} µs")
     for name, o in ((doc.get("overhead") or {}).get("methods") or {}).items():
         if o.get("status") == "ok":
             parts.append(f"host overhead {name}: {o['host_us_per_call']:.1f} µs/call "

@@ -45,3 +45,14 @@ def test_runs_of_one_commit_are_merged_and_newer_rows_win(tmp_path):
     other_commit = {**fake_doc(), "git": {"commit": "fake111", "dirty": False}, "created_utc": "2026-01-02T00:00:00+00:00"}
     doc, rows, merged = dashboard.merge_suite([older, newer, other_commit], "fake")
     assert merged == 1 and doc is other_commit
+
+
+def test_a_single_problem_size_renders_as_bars(tmp_path):
+    doc = fake_doc()
+    doc["measurements"] = [m for m in doc["measurements"] if m["seqlen_q"] == 1024 and m["kind"] == "speed"]
+    doc["ratios"] = results.compute_ratios(doc["measurements"])
+    results.write(doc, tmp_path / "r")
+    assert dashboard.main(["--results", str(tmp_path / "r"), "--out", str(tmp_path / "d")]) == 0
+    for name in ("tflops-fake-fwd.png", "ratio-fake-bwd.png"):
+        assert (tmp_path / "d" / "sm90" / name).stat().st_size > 1000
+    assert not (tmp_path / "d" / "sm90" / "memory-fake.png").exists()
