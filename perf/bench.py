@@ -105,8 +105,9 @@ def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_byt
     dtype = DTYPES[dtype_name]
     scale = cell.headdim ** -0.5
     grad = any(p != "fwd" for p in cell.passes)
-    set_bytes = (2 if grad else 1) * (cell.batch * cell.seqlen_q * cell.nheads
-                                     + cell.batch * cell.seqlen_k * cell.nheads_kv) * cell.headdim * dtype.itemsize
+    q_elems = cell.batch * cell.seqlen_q * cell.nheads * cell.headdim
+    kv_elems = cell.batch * cell.seqlen_k * cell.nheads_kv * cell.headdim
+    set_bytes = ((2 if grad else 1) * q_elems + 2 * kv_elems) * dtype.itemsize  # q (+ dout), k, v
     n_sets, flush = (1, False) if cell.kind == "memory" else harness.input_sets_needed(set_bytes, l2_bytes)
     base = {"suite": suite, "dtype": dtype_name, **cell.key()}
     rows = []

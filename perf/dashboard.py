@@ -226,7 +226,8 @@ def _fmt_time(r: dict) -> str:
     if r["kind"] == "memory":
         return f"{r['peak_bytes'] / 2**20:,.0f} MiB" if r.get("peak_bytes") is not None else "n/a"
     t = r["time_ms"]
-    return f"{r['tflops']:.1f} TF/s<br><small>{t['median']:.3f} ms [{t['p10']:.3f}–{t['p90']:.3f}] n={t['reps']}</small>"
+    return (f"{r['tflops']:.1f} TF/s<br><small>{t['median']:.3f} ms [{t['p10']:.3f}–{t['p90']:.3f}] n={t['reps']}"
+            f"<br>{r['tokens_per_s'] / 1e6:.1f} M tokens/s</small>")
 
 
 def _table(rows: list[dict]) -> str:
