@@ -227,7 +227,7 @@ def _fmt_time(r: dict) -> str:
         return f"{r['peak_bytes'] / 2**20:,.0f} MiB" if r.get("peak_bytes") is not None else "n/a"
     t = r["time_ms"]
     return (f"{r['tflops']:.1f} TF/s<br><small>{t['median']:.3f} ms [{t['p10']:.3f}–{t['p90']:.3f}] n={t['reps']}"
-            f"<br>{r['tokens_per_s'] / 1e6:.1f} M tokens/s</small>")
+            + (f"<br>{r['tokens_per_s'] / 1e6:.1f} M tokens/s" if r.get("tokens_per_s") else "") + "</small>")
 
 
 def _table(rows: list[dict]) -> str:

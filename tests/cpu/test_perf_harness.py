@@ -256,6 +256,7 @@ def fake_doc() -> dict:
                     r = _row(method, 1.0, seqlen=seqlen)
                     r.update(suite="fake", causal=causal, **{"pass": pass_})
                     r["tflops"] = tf * seqlen / 2048
+                    r["tokens_per_s"] = 1e6
                     t = 100 / r["tflops"]
                     r["time_ms"] = {"median": t, "p10": 0.9 * t, "p90": 1.1 * t, "iqr": 0.1 * t, "min": 0.9 * t, "max": 1.2 * t, "reps": 10}
                     rows.append(r)
