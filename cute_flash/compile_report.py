@@ -8,7 +8,8 @@ the arguments to compile it against (fake tensors, a Float32, a fake stream). `a
 the registers per thread, the spill bytes (stores + loads), the static shared memory ptxas saw
 (None when the kernel only uses dynamic smem) and the compile time in seconds.
 
-The DSL prints the ptxas report from native code, so it is captured at the file-descriptor level;
+The ptxas report is printed by native code (and, as a remark, by Python), so output is captured at
+the file-descriptor level and at sys.stdout/sys.stderr;
 PTX is kept with the compile options --keep-ptx --dump-dir=<temporary directory>, with the
 DSL's own file cache disabled for the call (a cached compile would run no ptxas, write nothing).
 """
@@ -42,18 +43,20 @@ class CompileReport:
 
 
 @contextlib.contextmanager
-def _capture_fds(path: str):
+def _capture_output(path: str):
+    """Send fds 1/2 (native printers) and sys.stdout/sys.stderr (Python printers, which a test
+    runner may have replaced) to the file at `path`."""
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
-    with open(path, "w+b") as sink:
+    with open(path, "ab", buffering=0) as sink, open(path, "a", buffering=1) as text:
         os.dup2(sink.fileno(), 1)
         os.dup2(sink.fileno(), 2)
         try:
-            yield
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            text.flush()
             os.dup2(saved[0], 1)
             os.dup2(saved[1], 2)
             os.close(saved[0])
@@ -84,7 +87,7 @@ def compile_report(kernel_obj, fake_args, *, arch: str | None = None) -> Compile
         envar.disable_file_caching = True  # a cached compile would run no ptxas and keep nothing
         try:
             start = time.perf_counter()
-            with _capture_fds(log_path):
+            with _capture_output(log_path):
                 cute.compile(kernel_obj, *fake_args, options=options)
             seconds = time.perf_counter() - start
         finally:

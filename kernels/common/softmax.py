@@ -21,6 +21,9 @@ wgmma), where the 4 threads of a quad share each row.
     softmax.rescale_O(acc_O, row_scale)
         acc_O[row, :] *= row_scale[row].
 
+    softmax.rescale_O_if_needed(acc_O, row_scale)
+        The same, skipped when no row of the warp changed its max (row_scale == 1 exactly).
+
     row_scale = softmax.finalize()
         Reduces row_sum across the quad; returns 1 / row_sum (1.0 for rows that saw no key, whose
         acc_O is 0) and leaves the natural-log LSE in softmax.row_sum (-inf for such rows).
@@ -89,8 +92,10 @@ class OnlineSoftmax:
                 row_scale[r] = 1.0
                 self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             else:
-                row_scale[r] = cute.math.exp2(
-                    row_max_prev * self.scale_log2 - max_scaled, fastmath=True
+                # exactly 1 when the max did not move, so rescale_O can be skipped
+                row_scale[r] = (
+                    1.0 if row_max_prev == row_max_new
+                    else cute.math.exp2(row_max_prev * self.scale_log2 - max_scaled, fastmath=True)
                 )
                 self.row_sum[r] = p_row.reduce(
                     cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
@@ -103,6 +108,16 @@ class OnlineSoftmax:
         acc_O_mn = reshape_acc_to_mn(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_scale)):
             acc_O_mn[r, None].store(acc_O_mn[r, None].load() * row_scale[r])
+
+    @cute.jit
+    def rescale_O_if_needed(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:
+        # Long rows rarely see a new max; skip the multiply when no row of the warp moved.
+        # The vote keeps the branch warp-uniform.
+        moved = row_scale[0] != 1.0
+        for r in cutlass.range_constexpr(1, cute.size(row_scale)):
+            moved = moved | (row_scale[r] != 1.0)
+        if cute.arch.vote_any_sync(moved):
+            self.rescale_O(acc_O, row_scale)
 
     @cute.jit
     def finalize(self) -> cute.Tensor:

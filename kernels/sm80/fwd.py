@@ -132,10 +132,12 @@ class FlashAttnFwdSm80:
 
     @staticmethod
     def default_tiles(dtype, head_dim, causal) -> dict:
-        if head_dim <= 64:
+        # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.
+        # The key tile shrinks as head_dim grows so acc_O + acc_S fit in 255 registers.
+        if head_dim <= 96:
             return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
         if head_dim <= 128:
-            return dict(tile_m=128, tile_n=64, num_warps=8, num_stages=2, q_in_regs=True)
+            return dict(tile_m=128, tile_n=32, num_warps=4, num_stages=2)
         return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
 
     # ------------------------------------------------------------------------------------------
@@ -418,7 +420,7 @@ class FlashAttnFwdSm80:
         row_scale = softmax.online_softmax(acc_S, is_first=is_first,
                                            check_inf=mask_seqlen or mask_causal or self.causal)
         if cutlass.const_expr(not is_first):
-            softmax.rescale_O(acc_O, row_scale)
+            softmax.rescale_O_if_needed(acc_O, row_scale)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         tOrP = reshape_acc_to_frgA(rP)
