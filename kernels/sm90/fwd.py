@@ -50,6 +50,7 @@ _EPILOGUE_BARRIER = 1
 _SCHED_BARRIER_BASE = 2
 
 _SMEM_BYTES = 227 * 1024
+_L2_BYTES = 40 * 1024 * 1024  # of the H100's 50 MB, what K/V of concurrent heads may occupy
 
 
 class FlashAttnFwdSm90:
@@ -67,6 +68,7 @@ class FlashAttnFwdSm90:
         num_stages: int = 2,
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
+        lpt: str = "l2",
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
@@ -78,6 +80,9 @@ class FlashAttnFwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
+        # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
+        # "head" longest-first within each head, "none" launch order.
+        self.lpt = lpt if causal else "none"
         self.num_wg_mma = tile_m // 64
         self.pingpong = pingpong and self.num_wg_mma >= 2
         self.num_mma_threads = 128 * self.num_wg_mma
@@ -230,11 +235,7 @@ class FlashAttnFwdSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, head, batch = cute.arch.block_idx()
-        # Causal tiles near the end of the sequence do the most work: start them first.
-        m_block = bidx
-        if const_expr(self.causal):
-            m_block = cute.arch.grid_dim()[0] - 1 - bidx
+        m_block, head, batch = self.tile_coord(mK.shape[0])
         head_kv = head // (mQ.shape[2] // mK.shape[2])
         seqlen_q = mQ.shape[0]
         seqlen_k = mK.shape[0]
@@ -286,6 +287,37 @@ class FlashAttnFwdSm90:
                 pipeline_q, pipeline_k, pipeline_v, tidx - 128, m_block, head, batch,
                 seqlen_q, seqlen_k, n_block_max, block_ranges, softmax_scale_log2,
             )
+
+    # ------------------------------------------------------------------ tile order
+
+    @cute.jit
+    def tile_coord(self, seqlen_k: Int32):
+        """(m_block, head, batch) of this CTA.
+
+        CTAs start in launch order. With causal masking the tiles at the end of the sequence do
+        the most work, so they should start first (longest processing time first), but
+        consecutive CTAs should also share K/V in L2: tiles are ordered by descending m_block
+        within groups of (head, batch) pairs whose K and V fit in L2 together.
+        """
+        bidx, head, batch = cute.arch.block_idx()
+        num_m_blocks, num_heads, num_batch = cute.arch.grid_dim()
+        m_block = bidx
+        if const_expr(self.lpt == "head"):
+            m_block = num_m_blocks - 1 - bidx
+        if const_expr(self.lpt == "l2"):
+            kv_tokens_in_l2 = _L2_BYTES // (2 * self.head_dim * self.dtype.width // 8)
+            group = cutlass.max(Int32(kv_tokens_in_l2) // cutlass.max(seqlen_k, 1), 1)
+            num_hb = num_heads * num_batch
+            linear = bidx + num_m_blocks * (head + num_heads * batch)
+            group_idx = linear // (group * num_m_blocks)
+            in_group = linear - group_idx * (group * num_m_blocks)
+            group_size = cutlass.min(group, num_hb - group_idx * group)
+            m_rev = in_group // group_size
+            hb = group_idx * group + (in_group - m_rev * group_size)
+            m_block = num_m_blocks - 1 - m_rev
+            batch = hb // num_heads
+            head = hb - batch * num_heads
+        return m_block, head, batch
 
     # ------------------------------------------------------------------ producer
 
