@@ -8,7 +8,8 @@ to the first, so that the only blocks needing masks (key tail, causal diagonal) 
 Data movement per key block n (num_stages K/V buffers in smem, cp.async groups):
     wait K[n]            -> issue V[n - num_stages + 1]
     S = Q K[n]^T          (ldmatrix Q, K; mma.sync, fp32 accumulators)
-    mask (boundary blocks only), online softmax, rescale O, P = bf16/fp16(S) kept in registers
+    mask (boundary blocks only), online softmax, rescale O (only when a row max moved),
+    P = bf16/fp16(S) kept in registers
     wait V[n]            -> issue K[n - num_stages]
     O += P V[n]           (P straight from registers as the A operand; ldmatrix.trans for V)
 Epilogue: O /= row_sum, stage O through smem (reusing sQ) for 16-byte stores, write LSE.
@@ -25,7 +26,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
-import cutlass.utils as utils
 
 from ..common.blocks import BlockRanges
 from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, smem_layout_atom, transpose_view
