@@ -50,3 +50,40 @@ def test_default_tiles_fit_every_head_dim():
             for causal in (False, True):
                 tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
                 assert FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, **tiles)
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("tile_m,tile_n", [(128, 64), (64, 64), (128, 32)])
+def test_causal_block_ranges_match_brute_force(tile_m, tile_n):
+    # The block-range formulas are plain integer arithmetic: run the undecorated functions on
+    # Python ints and compare with the visibility of every (query, key) pair.
+    from cute_flash.kernels.common.blocks import BlockRanges
+
+    r = BlockRanges(tile_m, tile_n, True)
+    fn = {name: getattr(BlockRanges, name).__wrapped__ for name in (
+        "n_block_min_max", "n_block_min_causal_mask", "m_block_min_max", "m_block_max_causal_mask")}
+    for sq, sk in [(1, 1), (7, 7), (113, 203), (517, 33), (300, 900), (900, 300)]:
+        def rows(m):
+            return range(m * tile_m, min((m + 1) * tile_m, sq))
+
+        def cols(n):
+            return range(n * tile_n, min((n + 1) * tile_n, sk))
+
+        def seen(m, n, test):
+            return test(j <= i + sk - sq for i in rows(m) for j in cols(n))
+
+        for m in range(_cdiv(sq, tile_m)):
+            lo, hi = (int(x) for x in fn["n_block_min_max"](r, m, sq, sk))
+            first_masked = int(fn["n_block_min_causal_mask"](r, m, sq, sk, lo))
+            for n in range(_cdiv(sk, tile_n)):
+                assert lo <= n < hi or not seen(m, n, any), (sq, sk, m, n)
+                assert not (lo <= n < min(first_masked, hi)) or seen(m, n, all), (sq, sk, m, n)
+        for n in range(_cdiv(sk, tile_n)):
+            lo, hi = (int(x) for x in fn["m_block_min_max"](r, n, sq, sk))
+            last_masked = int(fn["m_block_max_causal_mask"](r, n, sq, sk, lo))
+            for m in range(_cdiv(sq, tile_m)):
+                assert lo <= m < hi or not seen(m, n, any), (sq, sk, n, m)
+                assert not (max(last_masked, lo) <= m < hi) or seen(m, n, all), (sq, sk, n, m)
