@@ -4,6 +4,8 @@ when it raises."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import dispatch
@@ -38,6 +40,8 @@ def kernel_view(t: torch.Tensor) -> torch.Tensor | None:
     last stride 1, other strides multiples of 16 bytes, base 16-byte aligned."""
     if t.data_ptr() % VECTOR_BYTES:
         return None
+    if t.is_contiguous():  # validated head dims are multiples of 8: every stride is too
+        return t
     vector = VECTOR_BYTES // t.element_size()
     strides = t.stride()
     if _addressable(strides, vector):
@@ -57,6 +61,11 @@ def stat_view(t: torch.Tensor) -> torch.Tensor | None:
         return t if t.data_ptr() % 4 == 0 else None
     strides = _normalized_strides(t)
     return t.as_strided(t.shape, strides) if strides[-1] == 1 and t.data_ptr() % 4 == 0 else None
+
+
+def _on(device: torch.device):
+    """Make `device` current for the launch (a no-op, and cheap, when it already is)."""
+    return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
 _forward_kernels: dict[tuple, object] = {}
@@ -89,7 +98,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
         tensors["lse"] = lse
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
-    with torch.cuda.device(device):
+    with _on(device):
         compiled = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal))
         out_k = kernel_view(out) if out is not None else None
         out_k = out_k if out_k is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -128,7 +137,7 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
     except ImportError as e:
         raise CuteFlashError(f"the backward kernels are not available in this build: {e}") from e
     results = []
-    with torch.cuda.device(device):
+    with _on(device):
         grads = []
         for grad, like in ((dq, q), (dk, k), (dv, v)):
             view = kernel_view(grad) if grad is not None else None

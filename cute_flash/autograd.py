@@ -35,5 +35,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     (like q), and also `lse` ((batch, nheads, seqlen_q) float32, natural log) if `return_lse`.
     Differentiable w.r.t. q, k and v.
     """
-    out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = FlashAttnFunction.apply(q, k, v, softmax_scale, causal)
+    else:  # inference: skip autograd's bookkeeping (about 20 µs a call)
+        out, lse = api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
     return (out, lse) if return_lse else out

@@ -49,9 +49,10 @@ def _require_tensor(name: str, t) -> None:
 
 
 def _require_rank4(name: str, t: torch.Tensor, axes: str) -> None:
-    if t.dim() != 4:
-        raise InvalidDimensionError(f"{name} must have 4 dimensions {axes}, got shape {tuple(t.shape)}")
-    if any(s <= 0 for s in t.shape):
+    shape = t.shape
+    if len(shape) != 4:
+        raise InvalidDimensionError(f"{name} must have 4 dimensions {axes}, got shape {tuple(shape)}")
+    if min(shape) <= 0:
         raise InvalidDimensionError(f"{name} has an empty dimension: shape {tuple(t.shape)} {axes}")
 
 
@@ -65,11 +66,11 @@ def _require_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None
 
 def check_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     """All tensors on one CUDA device of compute capability 8.0 or newer."""
-    devices = {t.device for t in tensors.values()}
-    if len(devices) > 1:
+    first, *rest = tensors.values()
+    device = first.device
+    if any(t.device != device for t in rest):
         listing = ", ".join(f"{n} on {t.device}" for n, t in tensors.items())
         raise CudaError(f"tensors are on different devices: {listing}")
-    (device,) = devices
     if device.type != "cuda":
         raise CudaError(f"tensors must be on a CUDA GPU, got device '{device}'")
     from .dispatch import capability as device_capability
