@@ -481,7 +481,13 @@ class FlashAttnFwdSm90:
         c.pipeline_v.consumer_wait(kv_state_v)
         self.gemm_pv(c, kv_state_v.index)
         self.sched_signal(c.wg_idx)
-        warpgroup.wait_group(1)
+        if const_expr(mask_causal):
+            # Masking while the PV GEMM still holds O, P and S registers runs out of registers,
+            # and ptxas then serializes every wgmma of the kernel (C7512). The few diagonal blocks
+            # give up the overlap instead.
+            warpgroup.wait_group(0)
+        else:
+            warpgroup.wait_group(1)
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
