@@ -65,6 +65,28 @@ def main_kernel_key(dtype, head_dim: int, causal: bool, deterministic: bool, gqa
             "dkv_f32" if gqa else "dkv_same", tuple(sorted(tiles.items())))
 
 
+def backward_kernels(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, arch: str | None = None):
+    """The three compiled kernels of one backward variant (from the cache, compiling if needed)."""
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+    pre = get_or_compile(
+        ("sm80", "bwd_pre", dtype.__name__, head_dim),
+        lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim)),
+        arch,
+    )
+    main = get_or_compile(
+        main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
+        lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
+                 main_kernel_fake_args(dtype, head_dim, gqa)),
+        arch,
+    )
+    post = get_or_compile(
+        ("sm80", "bwd_post", dtype.__name__, head_dim),
+        lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim)),
+        arch,
+    )
+    return pre, main, post
+
+
 def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
                   deterministic: bool) -> None:
     """Gradients of attention w.r.t. q, k, v, written into dq, dk, dv (shapes/strides as q, k, v)."""
@@ -98,20 +120,7 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     else:
         dk_out, dv_out = dk, dv
 
-    pre = get_or_compile(
-        ("sm80", "bwd_pre", dtype.__name__, head_dim),
-        lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim)),
-    )
-    main = get_or_compile(
-        main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
-        lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
-                 main_kernel_fake_args(dtype, head_dim, gqa)),
-    )
-    post = get_or_compile(
-        ("sm80", "bwd_post", dtype.__name__, head_dim),
-        lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim)),
-    )
-
+    pre, main, post = backward_kernels(dtype, head_dim, causal, deterministic, gqa)
     # TVM-FFI entry points: torch tensors as they are, the stream is the current torch stream.
     pre(out, dout, lse, lse_log2, dpsum)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore, softmax_scale)

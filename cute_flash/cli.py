@@ -49,7 +49,8 @@ def _pool(jobs: int) -> ProcessPoolExecutor:
 def _variant_selection(args):
     from .validate import SUPPORTED_HEAD_DIMS
 
-    head_dims = _parse_list(args.head_dims, int) if args.head_dims else list(SUPPORTED_HEAD_DIMS)
+    default = SUPPORTED_HEAD_DIMS if args.command == "check" else (32, 64, 96, 128, 192, 256)
+    head_dims = _parse_list(args.head_dims, int) if args.head_dims else list(default)
     return _parse_list(args.dtypes), head_dims, [False, True]
 
 
@@ -82,10 +83,20 @@ def cmd_check(args) -> int:
     return 1 if failures else 0
 
 
-def _warm_one(arch: str, variant):
+def _warm_one(arch: str, variant, pass_name: str):
     start = time.perf_counter()
-    label, plan = _forward_plan(arch, *variant)
-    plan.compiled()
+    if pass_name == "fwd":
+        label, plan = _forward_plan(arch, *variant)
+        plan.compiled()
+    else:
+        import torch
+
+        from .backward_sm80 import backward_kernels
+        from .dispatch import CUTLASS_DTYPES
+
+        dtype, head_dim, causal, gqa = variant
+        backward_kernels(CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, gqa, arch)
+        label = f"bwd/sm80/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'/gqa' if gqa else ''}"
     return label, time.perf_counter() - start
 
 
@@ -101,13 +112,18 @@ def cmd_warmup(args) -> int:
         print("the disk cache is off (CUTE_FLASH_CACHE=0): nothing to warm", file=sys.stderr)
         return 1
     dtypes, head_dims, causals = _variant_selection(args)
-    variants = forward_variants(dtypes, head_dims, causals)
+    jobs = []
+    if "fwd" in args.passes:
+        jobs += [(variant, "fwd") for variant in forward_variants(dtypes, head_dims, causals)]
+    if "bwd" in args.passes:
+        gqas = (False, True) if args.gqa else (False,)
+        jobs += [((d, h, c, g), "bwd") for d, h, c in forward_variants(dtypes, head_dims, causals) for g in gqas]
     start = time.perf_counter()
     with _pool(args.jobs) as pool:
-        for future in as_completed([pool.submit(_warm_one, args.arch, variant) for variant in variants]):
+        for future in as_completed([pool.submit(_warm_one, args.arch, variant, p) for variant, p in jobs]):
             label, seconds = future.result()
             print(f"{label:34} {seconds:6.1f} s", flush=True)
-    print(f"{len(variants)} variants ready in {cache.cache_root() / cache.namespace()} ({time.perf_counter() - start:.1f} s)")
+    print(f"{len(jobs)} variants ready in {cache.cache_root() / cache.namespace()} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
@@ -146,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--arch", default="sm_80" if name == "check" else None, help="sm_80, sm_86, sm_90a, ... (warmup: this GPU's)")
         p.add_argument("--dtypes", default="float16,bfloat16")
-        p.add_argument("--head-dims", default="", help="comma list; default every multiple of 8 up to 256")
+        p.add_argument("--head-dims", default="", help="comma list; default: check every multiple of 8 up to 256, "
+                       "warmup 32,64,96,128,192,256")
         p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+        if name == "warmup":
+            p.add_argument("--passes", default="fwd,bwd", help="fwd, bwd or both")
+            p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
     sub.add_parser("bench", help="run a benchmark suite (see cute-flash bench --help)")
     sub.add_parser("dashboard", help="render perf/results into plots (see cute-flash dashboard --help)")
     args = parser.parse_args(argv)
