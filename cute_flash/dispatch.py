@@ -90,8 +90,8 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     """The forward kernel for this GPU and problem class (never depends on lengths or batch)."""
     cdtype = cutlass_dtype(dtype)
     for cls in _forward_classes(kernel_family(capability)):
-        if cls.can_implement(cdtype, head_dim, causal):
-            tiles = cls.default_tiles(cdtype, head_dim, causal)
+        tiles = cls.default_tiles(cdtype, head_dim, causal)
+        if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
             fake = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(), cutlass.Float32(1.0), fake_stream())
             return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), fake, target_arch_for(capability))

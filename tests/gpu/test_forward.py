@@ -1,5 +1,7 @@
 """Forward correctness on the GPU against the float64 reference, both kernel families."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -120,7 +122,7 @@ def test_backward_without_kernels_raises_clearly_or_works():
     q, k, v = (randn(1, 64, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     out = cute_flash.flash_attn_func(q, k, v)
     try:
-        import cute_flash.backward_sm80  # noqa: F401
+        importlib.import_module("cute_flash.backward_sm80")
     except ImportError:
         with pytest.raises(cute_flash.CuteFlashError, match="backward"):
             out.sum().backward()
