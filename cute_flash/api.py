@@ -16,7 +16,7 @@ from .validate import check_device, check_like, check_qkv, check_softmax_scale, 
 
 def as_torch(name: str, t):
     """A torch view of any DLPack tensor (zero copy); None stays None."""
-    if t is None or isinstance(t, torch.Tensor):
+    if t is None or type(t) is torch.Tensor or isinstance(t, torch.Tensor):
         return t
     if hasattr(t, "__dlpack__"):
         return torch.from_dlpack(t)
@@ -87,7 +87,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim).
     `out` (like q) and `lse` ((batch, nheads, seqlen_q), float32) are written when given.
     """
-    q, k, v, out, lse = (as_torch(n, t) for n, t in (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)))
+    q, k, v, out, lse = as_torch("q", q), as_torch("k", k), as_torch("v", v), as_torch("out", out), as_torch("lse", lse)
     problem = check_qkv(q, k, v)
     tensors = {"q": q, "k": k, "v": v}
     if out is not None:

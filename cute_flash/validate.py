@@ -7,7 +7,7 @@ either return normally or raise a typed `CuteFlashError`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,8 +27,7 @@ SUPPORTED_HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, MAX_HEAD_DIM + 1, HEAD_DIM_
 MIN_CAPABILITY = (8, 0)
 
 
-@dataclass(frozen=True)
-class Problem:
+class Problem(NamedTuple):
     """The sizes of one attention call, read off validated inputs."""
 
     batch: int
@@ -42,6 +41,8 @@ class Problem:
 
 
 def _require_tensor(name: str, t) -> None:
+    if type(t) is torch.Tensor:
+        return
     if t is None:
         raise MissingTensorError(f"{name} is required but was None")
     if not isinstance(t, torch.Tensor):
@@ -56,10 +57,10 @@ def _require_rank4(name: str, t: torch.Tensor, axes: str) -> None:
         raise InvalidDimensionError(f"{name} has an empty dimension: shape {tuple(t.shape)} {axes}")
 
 
-def _require_dtype(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def _require_dtype(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> None:
     if dtype not in SUPPORTED_DTYPES:
         raise UnsupportedDtypeError(f"dtype {dtype} is not supported; use torch.float16, torch.bfloat16 or torch.float32")
-    for name, t in tensors.items():
+    for name, t in (("k", k), ("v", v)):
         if t.dtype != dtype:
             raise UnsupportedDtypeError(f"mixed dtypes: {name} is {t.dtype} but q is {dtype}")
 
@@ -97,12 +98,13 @@ def check_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
 
 def check_qkv(q, k, v) -> Problem:
     """Shapes, dtypes and head dim of q, k, v; not the device (see `check_device`)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _require_tensor(name, t)
+    _require_tensor("q", q)
+    _require_tensor("k", k)
+    _require_tensor("v", v)
     _require_rank4("q", q, "(batch, seqlen_q, nheads, headdim)")
     _require_rank4("k", k, "(batch, seqlen_k, nheads_kv, headdim)")
     _require_rank4("v", v, "(batch, seqlen_k, nheads_kv, headdim)")
-    _require_dtype({"k": k, "v": v}, q.dtype)
+    _require_dtype(k, v, q.dtype)
     batch, seqlen_q, nheads, head_dim = q.shape
     if k.shape != v.shape:
         raise DimensionMismatchError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
