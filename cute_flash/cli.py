@@ -62,7 +62,9 @@ def _check_one(arch: str, variant):
     report = compile_report(kernel, fake_args, arch=arch)
     family = label.split("/")[1]
     found = {ins: report.ptx.count(ins) for ins in KEY_INSTRUCTIONS[family]}
-    return label, report.seconds, report.registers, report.smem_bytes, report.spill_bytes, found
+    # The kernels allocate shared memory dynamically, which ptxas does not see; ask the kernel.
+    smem = report.smem_bytes if report.smem_bytes is not None else plan.kernel_cls.smem_bytes(**dict(plan.init_kwargs))
+    return label, report.seconds, report.registers, smem, report.spill_bytes, found
 
 
 def cmd_check(args) -> int:
