@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from cute_flash.cache import get_or_compile
+from cute_flash.kernels.common.layouts import round_up
 from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
 from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
@@ -26,10 +27,6 @@ from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream
 _DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 # Row statistics are padded to a multiple of every m_block size the main kernel may use.
 ROW_PAD = 128
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 def fake_semaphore() -> cute.Tensor:
@@ -44,7 +41,7 @@ def main_kernel_fake_args(dtype, head_dim: int, gqa: bool) -> tuple:
     return (
         fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim),
         fake_bshd(dtype, head_dim), fake_rowstat(), fake_rowstat(),
-        fake_bshd(cutlass.Float32, _round_up(head_dim, 32)),
+        fake_bshd(cutlass.Float32, round_up(head_dim, 32)),
         fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
         cutlass.Float32(1.0), fake_stream(),
     )
@@ -56,7 +53,7 @@ def pre_kernel_fake_args(dtype, head_dim: int) -> tuple:
 
 
 def post_kernel_fake_args(dtype, head_dim: int) -> tuple:
-    return (fake_bshd(cutlass.Float32, _round_up(head_dim, 32)), fake_bshd(dtype, head_dim),
+    return (fake_bshd(cutlass.Float32, round_up(head_dim, 32)), fake_bshd(dtype, head_dim),
             cutlass.Float32(1.0), fake_stream())
 
 
@@ -106,10 +103,10 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
 
     tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
     m_block = tiles["m_block_size"]
-    seqlen_q_pad = _round_up(seqlen_q, ROW_PAD)
+    seqlen_q_pad = round_up(seqlen_q, ROW_PAD)
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
-    dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, _round_up(head_dim, 32), dtype=f32, device=device)
+    dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, round_up(head_dim, 32), dtype=f32, device=device)
     if deterministic:
         semaphore = torch.zeros(batch, nheads, (seqlen_q + m_block - 1) // m_block, dtype=torch.int32, device=device)
     else:

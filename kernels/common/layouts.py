@@ -21,12 +21,34 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
     transpose_view(s) -> cute.Tensor
         (rows, cols, stages) smem tensor viewed as (cols, rows, stages); used to read V as the
         (head_dim, tile_n) B operand with the transposing ldmatrix.
+
+    gmem_tiled_copy(op, dtype, num_threads, row_elems) -> cute.TiledCopy
+        Threads moving 16-byte vectors between global and shared memory: `row_elems / 8` threads
+        cover one smem-atom row, the rest stack along rows. `op` is e.g. cp.async (loads) or
+        CopyUniversalOp (stores).
+
+    round_up(x, multiple) -> int
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+
+VECTOR_BITS = 128
+
+
+def round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def gmem_tiled_copy(op, dtype: type[cutlass.Numeric], num_threads: int, row_elems: int) -> cute.TiledCopy:
+    vec = VECTOR_BITS // dtype.width
+    threads_per_row = row_elems // vec
+    thr_layout = cute.make_layout((num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1))
+    return cute.make_tiled_copy_tv(
+        cute.make_copy_atom(op, dtype, num_bits_per_copy=VECTOR_BITS), thr_layout, cute.make_layout((1, vec))
+    )
 
 
 def smem_layout_atom(dtype: type[cutlass.Numeric], k_dim: int) -> cute.ComposedLayout:

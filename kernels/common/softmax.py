@@ -41,6 +41,9 @@ from cutlass import Float32
 
 from .layouts import reshape_acc_to_mn
 
+LOG2_E = math.log2(math.e)
+"""exp(x) == exp2(x * LOG2_E): kernels fold it into the softmax scale."""
+
 QUAD = 4  # threads of an mma.sync / wgmma quad that share one accumulator row
 
 

@@ -22,7 +22,6 @@ tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
 
 from __future__ import annotations
 
-import math
 
 import cuda.bindings.driver as cuda
 
@@ -32,15 +31,11 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_flash.kernels.common.blocks import BlockRanges
-from cute_flash.kernels.common.layouts import reshape_acc_to_mn, smem_layout_atom
+from cute_flash.kernels.common.layouts import gmem_tiled_copy, reshape_acc_to_mn, round_up, smem_layout_atom
+from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
 
-LOG2_E = math.log2(math.e)
 SMEM_CAPACITY_SM80 = 163 * 1024
-
-
-def _round_up(x: int, m: int) -> int:
-    return (x + m - 1) // m * m
 
 
 # candidate for kernels/common: layouts.transpose_view handles (rows, cols, stages) only; K, V, P
@@ -85,7 +80,7 @@ class FlashAttnBwdSm80:
     ):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.head_dim_padded = _round_up(head_dim, 32)
+        self.head_dim_padded = round_up(head_dim, 32)
         self.causal = causal
         self.deterministic = deterministic
         self.m_block_size = m_block_size
@@ -102,7 +97,7 @@ class FlashAttnBwdSm80:
         (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
         dO buffer wherever it fits in 163 KB
         and registers."""
-        d = _round_up(head_dim, 32)
+        d = round_up(head_dim, 32)
         if d <= 64:
             tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
         elif d <= 128:
@@ -122,7 +117,7 @@ class FlashAttnBwdSm80:
 
     @staticmethod
     def smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
-        d = _round_up(head_dim, 32)
+        d = round_up(head_dim, 32)
         elems = (m_block_size * d * (num_stages_Q + num_stages_dO) + 2 * n_block_size * d
                  + 2 * m_block_size * n_block_size)
         return elems * dtype.width // 8 + 4 * 128 * (num_stages_Q + num_stages_dO)
@@ -132,7 +127,7 @@ class FlashAttnBwdSm80:
         if dtype not in (cutlass.Float16, cutlass.BFloat16) or head_dim % 8 != 0 or head_dim > 256:
             return False
         t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
-        d = _round_up(head_dim, 32)
+        d = round_up(head_dim, 32)
         warps = FlashAttnBwdSm80.num_threads // 32
         ok_tiles = (
             t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
@@ -189,21 +184,16 @@ class FlashAttnBwdSm80:
             sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, m * self.num_stages_dO], 128]
 
         # 128-bit cp.async: each thread moves 8 contiguous 16-bit elements.
-        vec = 128 // self.dtype.width
-        atom_cols = cute.size(atom_qk.outer.shape[1])
-        threads_per_row = atom_cols // vec
-        gmem_tiled_copy = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype,
-                                num_bits_per_copy=128),
-            cute.make_ordered_layout((self.num_threads // threads_per_row, threads_per_row), order=(1, 0)),
-            cute.make_layout((1, vec)),
+        gmem_copy = gmem_tiled_copy(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, self.num_threads,
+            cute.size(atom_qk.outer.shape[1]),
         )
 
         grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
             softmax_scale, softmax_scale * LOG2_E,
-            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy,
+            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_copy,
             self._tiled_mma(self.atom_m_sdp), self._tiled_mma(self.atom_n_dkv), self._tiled_mma(self.atom_m_dq),
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)

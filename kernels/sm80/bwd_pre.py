@@ -11,15 +11,14 @@ kernel can read whole blocks without bounds checks. Rows past seqlen_q, and rows
 
 from __future__ import annotations
 
-import math
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
-LOG2_E = math.log2(math.e)
+from ..common.softmax import LOG2_E
 
 
 class FlashAttnBwdPreprocessSm80:

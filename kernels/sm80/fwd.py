@@ -17,7 +17,6 @@ Epilogue: O /= row_sum, stage O through smem (reusing sQ) for 16-byte stores, wr
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import cuda.bindings.driver as cuda
@@ -28,12 +27,17 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.blocks import BlockRanges
-from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, smem_layout_atom, transpose_view
+from ..common.layouts import (
+    gmem_tiled_copy,
+    reshape_acc_to_frgA,
+    reshape_acc_to_mn,
+    smem_layout_atom,
+    transpose_view,
+)
 from ..common.mask import apply_mask
-from ..common.softmax import OnlineSoftmax
+from ..common.softmax import LOG2_E, OnlineSoftmax
 
 SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
-VECTOR_BITS = 128
 
 
 @cute.jit
@@ -171,23 +175,11 @@ class FlashAttnFwdSm80:
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
 
         # gmem <-> smem: 16-byte vectors, one smem atom row (32 or 64 elements) per group of threads
-        vec = VECTOR_BITS // dtype.width
-        threads_per_row = atom.outer.shape[1] // vec
-        thr_layout = cute.make_layout(
-            (self.num_threads // threads_per_row, threads_per_row), stride=(threads_per_row, 1)
+        row_elems = atom.outer.shape[1]
+        gmem_tiled_copy_QKV = gmem_tiled_copy(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, self.num_threads, row_elems
         )
-        val_layout = cute.make_layout((1, vec))
-        gmem_tiled_copy_QKV = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(
-                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                num_bits_per_copy=VECTOR_BITS,
-            ),
-            thr_layout, val_layout,
-        )
-        gmem_tiled_copy_O = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=VECTOR_BITS),
-            thr_layout, val_layout,
-        )
+        gmem_tiled_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), dtype, self.num_threads, row_elems)
         # warps side by side along M; the N permutation makes one tile 16 wide so each B
         # ldmatrix.x4 feeds two n8 mmas
         tiled_mma = cute.make_tiled_mma(
@@ -198,7 +190,7 @@ class FlashAttnFwdSm80:
 
         num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
         grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
-        softmax_scale_log2 = softmax_scale * math.log2(math.e)
+        softmax_scale_log2 = softmax_scale * LOG2_E
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma,

@@ -24,7 +24,6 @@ seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from types import SimpleNamespace
 
@@ -41,9 +40,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from ..common.blocks import BlockRanges
 from ..common.layouts import reshape_acc_to_mn
 from ..common.mask import apply_mask
-from ..common.softmax import OnlineSoftmax
-
-_LOG2E = math.log2(math.e)
+from ..common.softmax import LOG2_E, OnlineSoftmax
 
 # Named barrier ids (0 is __syncthreads). Consumer warp group i waits on barrier
 # _SCHED_BARRIER_BASE + i before issuing its GEMMs.
@@ -210,7 +207,7 @@ class FlashAttnFwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
 
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
-        softmax_scale_log2 = softmax_scale * Float32(_LOG2E)
+        softmax_scale_log2 = softmax_scale * Float32(LOG2_E)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mLSE,
             softmax_scale_log2, tiled_mma_qk, tiled_mma_pv,
