@@ -19,8 +19,8 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
         16 bits) straight from registers into the P @ V gemm.
 
     transpose_view(s) -> cute.Tensor
-        (rows, cols, stages) smem tensor viewed as (cols, rows, stages); used to read V as the
-        (head_dim, tile_n) B operand with the transposing ldmatrix.
+        A smem tile (rows, cols, ...) of any rank viewed as (cols, rows, ...); used to read V (and,
+        in the backward, K, Q, dO, P, dS) as a transposed operand with the transposing ldmatrix.
 
     gmem_tiled_copy(op, dtype, num_threads, row_elems) -> cute.TiledCopy
         Threads moving 16-byte vectors between global and shared memory: `row_elems / 8` threads
@@ -92,6 +92,5 @@ def reshape_acc_to_frgA(acc: cute.Tensor) -> cute.Tensor:
 
 
 def transpose_view(s: cute.Tensor) -> cute.Tensor:
-    rows, cols, stages = (cute.size(s, mode=[i]) for i in range(3))
-    t = cute.make_layout((cols, rows, stages), stride=(rows, 1, rows * cols))
-    return cute.composition(s, t)
+    modes = [1, 0] + list(range(2, cute.rank(s.layout)))
+    return cute.make_tensor(s.iterator, cute.select(s.layout, mode=modes))

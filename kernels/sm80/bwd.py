@@ -31,19 +31,17 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_flash.kernels.common.blocks import BlockRanges
-from cute_flash.kernels.common.layouts import gmem_tiled_copy, reshape_acc_to_mn, round_up, smem_layout_atom
+from cute_flash.kernels.common.layouts import (
+    gmem_tiled_copy,
+    reshape_acc_to_mn,
+    round_up,
+    smem_layout_atom,
+    transpose_view,
+)
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
 
 SMEM_CAPACITY_SM80 = 163 * 1024
-
-
-# candidate for kernels/common: layouts.transpose_view handles (rows, cols, stages) only; K, V, P
-# and dS tiles here have no stage mode.
-def transpose_view(t: cute.Tensor) -> cute.Tensor:
-    """Swap the first two modes of a smem tile of any rank (row-major tile read as its transpose)."""
-    modes = [1, 0] + list(range(2, cute.rank(t.layout)))
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=modes))
 
 
 @cute.jit
