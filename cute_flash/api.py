@@ -9,7 +9,8 @@ import contextlib
 import torch
 
 from . import dispatch
-from .errors import CuteFlashError, MissingTensorError
+from .backward_sm80 import backward_sm80
+from .errors import MissingTensorError
 from .tensors import VECTOR_BYTES
 from .validate import check_device, check_like, check_qkv, check_softmax_scale, lse_shape
 
@@ -132,19 +133,17 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     dispatch.cutlass_dtype(q.dtype)
-    try:
-        from .backward_sm80 import backward_sm80
-    except ImportError as e:
-        raise CuteFlashError(f"the backward kernels are not available in this build: {e}") from e
     results = []
     with _on(device):
+        lse_k = stat_view(lse)
+        lse_k = lse_k if lse_k is not None else lse.contiguous()
         grads = []
         for grad, like in ((dq, q), (dk, k), (dv, v)):
             view = kernel_view(grad) if grad is not None else None
             grads.append(view if view is not None else torch.empty_like(like, memory_format=torch.contiguous_format))
         backward_sm80(
             kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
-            stat_view(lse) if stat_view(lse) is not None else lse.contiguous(), *grads,
+            lse_k, *grads,
             softmax_scale=scale, causal=bool(causal), deterministic=bool(deterministic),
         )
     for given, computed in zip((dq, dk, dv), grads):
