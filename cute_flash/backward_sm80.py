@@ -62,26 +62,24 @@ def main_kernel_key(dtype, head_dim: int, causal: bool, deterministic: bool, gqa
             "dkv_f32" if gqa else "dkv_same", tuple(sorted(tiles.items())))
 
 
+def backward_builds(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool):
+    """(cache key, build) of the preprocess, main and postprocess kernels of one backward variant;
+    `build()` returns (kernel object, fake arguments)."""
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+    return (
+        (("sm80", "bwd_pre", dtype.__name__, head_dim),
+         lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim))),
+        (main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
+         lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
+                  main_kernel_fake_args(dtype, head_dim, gqa))),
+        (("sm80", "bwd_post", dtype.__name__, head_dim),
+         lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim))),
+    )
+
+
 def backward_kernels(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, arch: str | None = None):
     """The three compiled kernels of one backward variant (from the cache, compiling if needed)."""
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
-    pre = get_or_compile(
-        ("sm80", "bwd_pre", dtype.__name__, head_dim),
-        lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim)),
-        arch,
-    )
-    main = get_or_compile(
-        main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
-        lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
-                 main_kernel_fake_args(dtype, head_dim, gqa)),
-        arch,
-    )
-    post = get_or_compile(
-        ("sm80", "bwd_post", dtype.__name__, head_dim),
-        lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim)),
-        arch,
-    )
-    return pre, main, post
+    return tuple(get_or_compile(key, build, arch) for key, build in backward_builds(dtype, head_dim, causal, deterministic, gqa))
 
 
 def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,

@@ -54,34 +54,56 @@ def _variant_selection(args):
     return _parse_list(args.dtypes), head_dims, [False, True]
 
 
-def _check_one(arch: str, variant):
+def _report_row(arch: str, label: str, expected: tuple[str, ...], kernel, fake_args, smem_fallback):
     from .compile_report import compile_report
 
-    label, plan = _forward_plan(arch, *variant)
-    kernel, fake_args = plan.build()
     report = compile_report(kernel, fake_args, arch=arch)
-    family = label.split("/")[1]
-    found = {ins: report.ptx.count(ins) for ins in KEY_INSTRUCTIONS[family]}
+    found = {ins: report.ptx.count(ins) for ins in expected}
     # The kernels allocate shared memory dynamically, which ptxas does not see; ask the kernel.
-    smem = report.smem_bytes if report.smem_bytes is not None else plan.kernel_cls.smem_bytes(**dict(plan.init_kwargs))
+    smem = report.smem_bytes if report.smem_bytes is not None else smem_fallback
     return label, report.seconds, report.registers, smem, report.spill_bytes, found
+
+
+def _check_one(arch: str, variant, pass_name: str):
+    """Report rows for one variant: the forward kernel, or the backward's main kernel (plus, once
+    per dtype and head dim, its preprocess and postprocess kernels, which ignore `causal`)."""
+    if pass_name == "fwd":
+        label, plan = _forward_plan(arch, *variant)
+        kernel, fake_args = plan.build()
+        smem = plan.kernel_cls.smem_bytes(**dict(plan.init_kwargs))
+        return [_report_row(arch, label, KEY_INSTRUCTIONS[label.split("/")[1]], kernel, fake_args, smem)]
+    import torch
+
+    from .backward_sm80 import backward_builds
+    from .dispatch import CUTLASS_DTYPES
+
+    dtype, head_dim, causal = variant
+    pre, main, post = backward_builds(CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, False)
+    rows = []
+    for (key, build), expected in ((main, KEY_INSTRUCTIONS["sm80"]),) + (() if causal else ((pre, ()), (post, ()))):
+        kernel, fake_args = build()
+        label = f"{key[1].replace('_', '/')}/sm80/{dtype}/d{head_dim}" + (f"/{'causal' if causal else 'full'}" if key[1] == "bwd_main" else "")
+        smem = kernel.smem_bytes(**vars(kernel)) if hasattr(kernel, "smem_bytes") else None
+        rows.append(_report_row(arch, label, expected, kernel, fake_args, smem))
+    return rows
 
 
 def cmd_check(args) -> int:
     """Compile every variant for an architecture and report resources and key instructions."""
     dtypes, head_dims, causals = _variant_selection(args)
-    variants = forward_variants(dtypes, head_dims, causals)
+    jobs = [(variant, p) for p in args.passes.split(",") for variant in forward_variants(dtypes, head_dims, causals)]
     print(f"{'variant':34} {'compile s':>9} {'regs':>5} {'smem B':>8} {'spill B':>8}  key instructions (count in PTX)")
-    failures = 0
+    failures = rows = 0
     with _pool(args.jobs) as pool:
-        futures = [pool.submit(_check_one, args.arch, variant) for variant in variants]
+        futures = [pool.submit(_check_one, args.arch, variant, p) for variant, p in jobs]
         for future in as_completed(futures):
-            label, seconds, regs, smem, spill, found = future.result()
-            bad = spill > 0 or not all(found[i] for i in found if i != "setmaxnreg")
-            failures += bad
-            ins = " ".join(f"{k}={v}" for k, v in found.items())
-            print(f"{label:34} {seconds:9.1f} {regs:5d} {smem if smem is not None else '-':>8} {spill:8d}  {ins}{'  <-- FAIL' if bad else ''}", flush=True)
-    print(f"{len(variants)} variants, {failures} with spills or missing instructions")
+            for label, seconds, regs, smem, spill, found in future.result():
+                bad = spill > 0 or not all(found[i] for i in found if i != "setmaxnreg")
+                failures += bad
+                rows += 1
+                ins = " ".join(f"{k}={v}" for k, v in found.items())
+                print(f"{label:34} {seconds:9.1f} {regs:5d} {smem if smem is not None else '-':>8} {spill:8d}  {ins}{'  <-- FAIL' if bad else ''}", flush=True)
+    print(f"{rows} kernels, {failures} with spills or missing instructions")
     return 1 if failures else 0
 
 
@@ -167,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--head-dims", default="", help="comma list; default: check every multiple of 8 up to 256, "
                        "warmup 32,64,96,128,192,256")
         p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
+        p.add_argument("--passes", default="fwd,bwd" if name == "warmup" else "fwd",
+                       help="fwd, bwd or both (the backward kernels are the sm80 family's)")
         if name == "warmup":
-            p.add_argument("--passes", default="fwd,bwd", help="fwd, bwd or both")
             p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
     sub.add_parser("bench", help="run a benchmark suite (see cute-flash bench --help)")
     sub.add_parser("dashboard", help="render perf/results into plots (see cute-flash dashboard --help)")

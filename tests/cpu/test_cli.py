@@ -24,4 +24,14 @@ def test_check_reports_resources_and_instructions(capsys, arch, family, instruct
     for row in rows:
         assert all(f"{ins}=" in row and f"{ins}=0" not in row for ins in instructions), row
         assert "FAIL" not in row
-    assert "2 variants, 0 with spills or missing instructions" in out
+    assert "2 kernels, 0 with spills or missing instructions" in out
+
+
+def test_check_covers_the_backward_kernels(capsys):
+    code = cli.main(["check", "--arch", "sm_80", "--head-dims", "64", "--dtypes", "float16", "--passes", "bwd", "--jobs", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    labels = sorted(line.split()[0] for line in out.splitlines() if line.startswith("bwd/"))
+    assert labels == ["bwd/main/sm80/float16/d64/causal", "bwd/main/sm80/float16/d64/full",
+                      "bwd/post/sm80/float16/d64", "bwd/pre/sm80/float16/d64"]
+    assert "mma.sync=" in out and "4 kernels, 0 with spills" in out
