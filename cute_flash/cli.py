@@ -29,16 +29,28 @@ def forward_variants(dtypes, head_dims, causals):
     return [(dtype, head_dim, causal) for dtype in dtypes for head_dim in head_dims for causal in causals]
 
 
-def _forward_plan(arch: str, dtype: str, head_dim: int, causal: bool):
-    """(label, Plan) of the forward kernel the dispatcher picks on `arch`. Runs in worker
-    processes, which rebuild the plan from plain values."""
+def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: bool, gqa: bool = False):
+    """(label, cache key, build, key instructions) of every kernel one variant runs on `arch`:
+    the forward kernel the dispatcher picks, or the backward's main, preprocess and postprocess
+    kernels. Runs in worker processes, which rebuild everything from these plain values."""
     import torch
 
     from . import dispatch
 
-    plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal)
-    family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
-    return f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}", plan
+    if pass_name == "fwd":
+        plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal)
+        family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
+        label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}"
+        return [(label, plan.key, plan.build, KEY_INSTRUCTIONS[family])]
+    from .backward_sm80 import backward_builds
+
+    builds = []
+    for key, build in backward_builds(dispatch.CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, gqa):
+        kind = key[1].removeprefix("bwd_")
+        variant = f"/{'causal' if causal else 'full'}{'/gqa' if gqa else ''}" if kind == "main" else ""
+        builds.append((f"bwd/{kind}/sm80/{dtype}/d{head_dim}{variant}", key, build,
+                       KEY_INSTRUCTIONS["sm80"] if kind == "main" else ()))
+    return builds
 
 
 def _pool(jobs: int) -> ProcessPoolExecutor:
@@ -54,37 +66,23 @@ def _variant_selection(args):
     return _parse_list(args.dtypes), head_dims, [False, True]
 
 
-def _report_row(arch: str, label: str, expected: tuple[str, ...], kernel, fake_args, smem_fallback):
+def _check_one(arch: str, variant, pass_name: str):
+    """Report rows for one variant; the backward's preprocess and postprocess kernels ignore
+    `causal`, so they are reported with the non-causal variant only."""
     from .compile_report import compile_report
 
-    report = compile_report(kernel, fake_args, arch=arch)
-    found = {ins: report.ptx.count(ins) for ins in expected}
-    # The kernels allocate shared memory dynamically, which ptxas does not see; ask the kernel.
-    smem = report.smem_bytes if report.smem_bytes is not None else smem_fallback
-    return label, report.seconds, report.registers, smem, report.spill_bytes, found
-
-
-def _check_one(arch: str, variant, pass_name: str):
-    """Report rows for one variant: the forward kernel, or the backward's main kernel (plus, once
-    per dtype and head dim, its preprocess and postprocess kernels, which ignore `causal`)."""
-    if pass_name == "fwd":
-        label, plan = _forward_plan(arch, *variant)
-        kernel, fake_args = plan.build()
-        smem = plan.kernel_cls.smem_bytes(**dict(plan.init_kwargs))
-        return [_report_row(arch, label, KEY_INSTRUCTIONS[label.split("/")[1]], kernel, fake_args, smem)]
-    import torch
-
-    from .backward_sm80 import backward_builds
-    from .dispatch import CUTLASS_DTYPES
-
-    dtype, head_dim, causal = variant
-    pre, main, post = backward_builds(CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, False)
     rows = []
-    for (key, build), expected in ((main, KEY_INSTRUCTIONS["sm80"]),) + (() if causal else ((pre, ()), (post, ()))):
+    for label, _key, build, expected in kernel_builds(arch, pass_name, *variant):
+        if pass_name == "bwd" and variant[2] and "/main/" not in label:
+            continue
         kernel, fake_args = build()
-        label = f"{key[1].replace('_', '/')}/sm80/{dtype}/d{head_dim}" + (f"/{'causal' if causal else 'full'}" if key[1] == "bwd_main" else "")
-        smem = kernel.smem_bytes(**vars(kernel)) if hasattr(kernel, "smem_bytes") else None
-        rows.append(_report_row(arch, label, expected, kernel, fake_args, smem))
+        report = compile_report(kernel, fake_args, arch=arch)
+        found = {ins: report.ptx.count(ins) for ins in expected}
+        # The kernels allocate shared memory dynamically, which ptxas does not see; ask the kernel.
+        smem = report.smem_bytes
+        if smem is None and hasattr(kernel, "smem_bytes"):
+            smem = kernel.smem_bytes(**vars(kernel))
+        rows.append((label, report.seconds, report.registers, smem, report.spill_bytes, found))
     return rows
 
 
@@ -108,20 +106,14 @@ def cmd_check(args) -> int:
 
 
 def _warm_one(arch: str, variant, pass_name: str):
+    from .cache import get_or_compile
+
     start = time.perf_counter()
-    if pass_name == "fwd":
-        label, plan = _forward_plan(arch, *variant)
-        plan.compiled()
-    else:
-        import torch
-
-        from .backward_sm80 import backward_kernels
-        from .dispatch import CUTLASS_DTYPES
-
-        dtype, head_dim, causal, gqa = variant
-        backward_kernels(CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, gqa, arch)
-        label = f"bwd/sm80/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'/gqa' if gqa else ''}"
-    return label, time.perf_counter() - start
+    builds = kernel_builds(arch, pass_name, *variant)
+    for _label, key, build, _expected in builds:
+        get_or_compile(key, build, arch)
+    main_label = next(label for label, _key, _build, expected in builds if expected)
+    return main_label, time.perf_counter() - start
 
 
 def cmd_warmup(args) -> int:
