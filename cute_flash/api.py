@@ -24,44 +24,66 @@ def as_torch(name: str, t):
     raise MissingTensorError(f"{name} must be a torch tensor or support DLPack, got {type(t).__name__}")
 
 
-def _normalized_strides(t: torch.Tensor) -> tuple[int, ...]:
+STAT_ALIGN = 4
+"""Row statistics (LSE) are fp32 rows read and written one element at a time."""
+
+
+def _normalized_strides(t: torch.Tensor, multiple: int) -> tuple[int, ...]:
     """Strides with size-1 modes given harmless values (their stride is never multiplied by a
     non-zero index, but the kernel's layout assumes the same divisibility for every stride)."""
     last = t.dim() - 1
-    return tuple((1 if i == last else VECTOR_BYTES) if size == 1 else stride
+    return tuple((1 if i == last else multiple) if size == 1 else stride
                  for i, (size, stride) in enumerate(zip(t.shape, t.stride())))
 
 
-def _addressable(strides, vector: int) -> bool:
-    return strides[-1] == 1 and all(s % vector == 0 for s in strides[:-1])
+def _addressable(strides, multiple: int) -> bool:
+    if strides[-1] != 1:
+        return False
+    for stride in strides[:-1]:  # a plain loop: this runs for every tensor of every call
+        if stride % multiple:
+            return False
+    return True
 
 
-def kernel_view(t: torch.Tensor) -> torch.Tensor | None:
+def kernel_view(t: torch.Tensor, align: int = VECTOR_BYTES) -> torch.Tensor | None:
     """`t` itself (re-strided on size-1 modes) if kernels can address it directly, else None:
-    last stride 1, other strides multiples of 16 bytes, base 16-byte aligned."""
-    if t.data_ptr() % VECTOR_BYTES:
+    last stride 1, other strides and the base address multiples of `align` bytes."""
+    if t.data_ptr() % align:
         return None
-    if t.is_contiguous():  # validated head dims are multiples of 8: every stride is too
+    multiple = align // t.element_size() or 1
+    if _addressable(t.stride(), multiple):
         return t
-    vector = VECTOR_BYTES // t.element_size()
-    strides = t.stride()
-    if _addressable(strides, vector):
-        return t
-    strides = _normalized_strides(t)
-    return t.as_strided(t.shape, strides) if _addressable(strides, vector) else None
+    strides = _normalized_strides(t, multiple)
+    return t.as_strided(t.shape, strides) if _addressable(strides, multiple) else None
 
 
-def kernel_input(t: torch.Tensor) -> torch.Tensor:
-    view = kernel_view(t)
+def kernel_input(t: torch.Tensor, align: int = VECTOR_BYTES) -> torch.Tensor:
+    view = kernel_view(t, align)
     return view if view is not None else t.contiguous()
 
 
-def stat_view(t: torch.Tensor) -> torch.Tensor | None:
-    """A (batch, nheads, seqlen) fp32 statistic kernels can write directly, else None."""
-    if t.stride()[-1] == 1:
-        return t if t.data_ptr() % 4 == 0 else None
-    strides = _normalized_strides(t)
-    return t.as_strided(t.shape, strides) if strides[-1] == 1 and t.data_ptr() % 4 == 0 else None
+def output_buffer(given: torch.Tensor | None, fresh, align: int = VECTOR_BYTES) -> torch.Tensor:
+    """What a kernel writes: `given` itself when it can, else `fresh()`, a new contiguous tensor
+    (copied into `given` afterwards by `deliver`)."""
+    if given is not None:
+        view = kernel_view(given, align)
+        if view is not None:
+            return view
+    return fresh()
+
+
+def _like(t: torch.Tensor):
+    return lambda: torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+def deliver(given: torch.Tensor | None, written: torch.Tensor) -> torch.Tensor:
+    """The result for the caller: `given` (filled from `written` if the kernel could not write it
+    in place), or `written` when nothing was given."""
+    if given is None:
+        return written
+    if written.data_ptr() != given.data_ptr():
+        given.copy_(written)
+    return given
 
 
 def _on(device: torch.device):
@@ -101,16 +123,10 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
         compiled = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal))
-        out_k = kernel_view(out) if out is not None else None
-        out_k = out_k if out_k is not None else torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse_k = stat_view(lse) if lse is not None else None
-        lse_k = lse_k if lse_k is not None else torch.empty(lse_shape(problem), dtype=torch.float32, device=device)
+        out_k = output_buffer(out, _like(q))
+        lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         compiled(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
-    if out is not None and out_k is not out and out_k.data_ptr() != out.data_ptr():
-        out.copy_(out_k)
-    if lse is not None and lse_k.data_ptr() != lse.data_ptr():
-        lse.copy_(lse_k)
-    return (out if out is not None else out_k), (lse if lse is not None else lse_k)
+        return deliver(out, out_k), deliver(lse, lse_k)
 
 
 def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
@@ -133,21 +149,11 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     dispatch.cutlass_dtype(q.dtype)
-    results = []
     with _on(device):
-        lse_k = stat_view(lse)
-        lse_k = lse_k if lse_k is not None else lse.contiguous()
-        grads = []
-        for grad, like in ((dq, q), (dk, k), (dv, v)):
-            view = kernel_view(grad) if grad is not None else None
-            grads.append(view if view is not None else torch.empty_like(like, memory_format=torch.contiguous_format))
+        grads = [output_buffer(grad, _like(like)) for grad, like in ((dq, q), (dk, k), (dv, v))]
         backward_sm80(
             kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
-            lse_k, *grads,
+            kernel_input(lse, STAT_ALIGN), *grads,
             softmax_scale=scale, causal=bool(causal), deterministic=bool(deterministic),
         )
-    for given, computed in zip((dq, dk, dv), grads):
-        if given is not None and given.data_ptr() != computed.data_ptr():
-            given.copy_(computed)
-        results.append(given if given is not None else computed)
-    return tuple(results)
+        return tuple(deliver(given, written) for given, written in zip((dq, dk, dv), grads))
