@@ -92,6 +92,8 @@ def _on(device: torch.device):
 
 
 _forward_kernels: dict[tuple, object] = {}
+"""Compiled forward per (device, dtype, head dim, causal, family): a plan builds fake tensors and
+hashes its key, which the per-call path should not pay for."""
 
 
 def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool):

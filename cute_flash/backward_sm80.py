@@ -17,6 +17,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from cute_flash.cache import get_or_compile
+from cute_flash.dispatch import CUTLASS_DTYPES
 from cute_flash.kernels.common.layouts import round_up
 from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
@@ -24,7 +25,6 @@ from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream
 
 
-_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 # Row statistics are padded to a multiple of every m_block size the main kernel may use.
 ROW_PAD = 128
 
@@ -87,14 +87,7 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     """Gradients of attention w.r.t. q, k, v, written into dq, dk, dv (shapes/strides as q, k, v)."""
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
-    if batch == 0 or nheads == 0:
-        return
-    if seqlen_q == 0 or seqlen_k == 0:
-        dq.zero_()
-        dk.zero_()
-        dv.zero_()
-        return
-    dtype = _DTYPES[q.dtype]
+    dtype = CUTLASS_DTYPES[q.dtype]
     gqa = nheads != nheads_kv
     device = q.device
     f32 = torch.float32
