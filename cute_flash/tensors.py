@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import from_dlpack, make_fake_tensor
+from cutlass.cute.runtime import make_fake_tensor
 
 VECTOR_BYTES = 16
 
@@ -43,11 +43,3 @@ def fake_stream():
     """The stream parameter. Compiled functions take it from the caller's framework (the current
     torch stream) through TVM-FFI, so it is not passed at call time."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-
-
-def to_cute(tensor, *, align: int = VECTOR_BYTES) -> cute.Tensor:
-    """A DLPack tensor as a CuTe tensor whose layout matches the fake tensors above.
-
-    Only for calling a kernel compiled without TVM-FFI (scripts that `cute.compile` a kernel
-    class directly); the cache's compiled functions take framework tensors as they are."""
-    return from_dlpack(tensor, assumed_align=align).mark_layout_dynamic(leading_dim=tensor.ndim - 1)
