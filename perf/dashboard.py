@@ -107,57 +107,52 @@ def _panel_title(key: tuple) -> str:
     return f"hdim {headdim}, {'causal' if causal else 'non-causal'}, {dtype}"
 
 
-def plot_tflops(plt, rows: list[dict], suite: str, pass_: str, path: Path) -> Path | None:
-    panels = _panels([r for r in rows if r["kind"] == "speed" and r["pass"] == pass_])
-    if not panels:
-        return None
-    fig, axes = _grid(plt, list(panels), f"{suite}: {PASS_TITLE[pass_]} TFLOP/s")
+def _plot_over_length(plt, panels: dict, title: str, path: Path, series: str, value: str,
+                      ylabel: str, bar_label: str, ratio: bool) -> Path:
+    """One panel per (head dim, causal, dtype) with a line per `series` (method or peer) of
+    `value` over the sequence length, or bars when the panel holds one length. `ratio` panels
+    get a log y axis and a line at 1."""
+    fig, axes = _grid(plt, list(panels), title)
     for ax, (key, group) in zip(axes, panels.items()):
+        group = [r for r in group if r[value]]  # failed cells carry no value
         xkey = _x_axis(group)
         if len({r[xkey] for r in group}) == 1:
-            _bars(ax, {r["method"]: r["tflops"] for r in group if r["status"] == "ok"}, "TFLOP/s",
-                  f"{_panel_title(key)}, {_cell_text(group[0])}")
+            _bars(ax, {r[series]: r[value] for r in group}, bar_label,
+                  f"{_panel_title(key)}, {_cell_text(group[0])}", baseline=1.0 if ratio else None)
             continue
-        for method in dict.fromkeys(r["method"] for r in group):
-            pts = sorted((r[xkey], r["tflops"]) for r in group if r["method"] == method and r["status"] == "ok")
-            if pts:
-                color, marker = _style(method)
-                ax.plot(*zip(*pts), marker=marker, color=color, label=method)
+        for name in dict.fromkeys(r[series] for r in group):
+            pts = sorted((r[xkey], r[value]) for r in group if r[series] == name)
+            color, marker = _style(name)
+            ax.plot(*zip(*pts), marker=marker, color=color, label=f"vs {name}" if ratio else name)
         ax.set_xscale("log", base=2)
+        if ratio:
+            ax.axhline(1.0, color="black", lw=0.8)
+            ax.set_yscale("log", base=2)
+        else:
+            ax.set_ylim(bottom=0)
         ax.set_xlabel(xkey.replace("_q", ""))
-        ax.set_ylabel("TFLOP/s")
-        ax.set_ylim(bottom=0)
+        ax.set_ylabel(ylabel)
         ax.set_title(_panel_title(key), fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def plot_tflops(plt, rows: list[dict], suite: str, pass_: str, path: Path) -> Path | None:
+    ok = [r for r in rows if r["kind"] == "speed" and r["pass"] == pass_ and r["status"] == "ok"]
+    panels = _panels(ok)
+    if not panels:
+        return None
+    return _plot_over_length(plt, panels, f"{suite}: {PASS_TITLE[pass_]} TFLOP/s", path,
+                             "method", "tflops", "TFLOP/s", "TFLOP/s", ratio=False)
 
 
 def plot_ratios(plt, ratios: list[dict], suite: str, pass_: str, path: Path) -> Path | None:
     panels = _panels([r for r in ratios if r["kind"] == "speed" and r["pass"] == pass_])
     if not panels:
         return None
-    fig, axes = _grid(plt, list(panels), f"{suite}: {PASS_TITLE[pass_]} speedup of ours over each peer (>1: ours faster)")
-    for ax, (key, group) in zip(axes, panels.items()):
-        xkey = _x_axis(group)
-        if len({r[xkey] for r in group}) == 1:
-            _bars(ax, {r["peer"]: r["speedup"] for r in group if r["speedup"]}, "speedup of ours",
-                  f"{_panel_title(key)}, {_cell_text(group[0])}", baseline=1.0)
-            continue
-        for peer in dict.fromkeys(r["peer"] for r in group):
-            pts = sorted((r[xkey], r["speedup"]) for r in group if r["peer"] == peer and r["speedup"])
-            if pts:
-                color, marker = _style(peer)
-                ax.plot(*zip(*pts), marker=marker, color=color, label=f"vs {peer}")
-        ax.axhline(1.0, color="black", lw=0.8)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log", base=2)
-        ax.set_xlabel(xkey.replace("_q", ""))
-        ax.set_ylabel("speedup")
-        ax.set_title(_panel_title(key), fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return _save(fig, path)
+    title = f"{suite}: {PASS_TITLE[pass_]} speedup of ours over each peer (>1: ours faster)"
+    return _plot_over_length(plt, panels, title, path, "peer", "speedup", "speedup", "speedup of ours", ratio=True)
 
 
 def plot_memory(plt, rows: list[dict], suite: str, path: Path) -> Path | None:
@@ -291,20 +286,28 @@ def _page(title: str, body: str) -> str:
 
 
 def merge_suite(docs: list[dict], suite: str) -> tuple[dict, list[dict], int]:
-    """The newest run of `suite` (docs sorted oldest first), merged with the other runs of it
-    on the same commit and GPU (a long suite split by filters); later rows replace earlier.
+    """For each dtype `suite` was measured in, the newest run (docs sorted oldest first) merged
+    with the other runs on the same commit and GPU (a long suite split by filters); later rows
+    replace earlier. So an fp16 run does not hide the last bf16 one: panels are per dtype.
     Returns the document whose machine facts (roofline, overhead) to show, the rows, and how
     many files were merged."""
     having = [d for d in docs if suite in d["suites"]]
-    newest = having[-1]
-    same = [d for d in having if (d["git"]["commit"], d["gpu"]["name"]) == (newest["git"]["commit"], newest["gpu"]["name"])]
+    dtypes = dict.fromkeys(m["dtype"] for d in having for m in d["measurements"] if m["suite"] == suite)
     rows: dict[tuple, dict] = {}
-    for d in same:
-        for m in d["measurements"]:
-            if m["suite"] == suite:
-                rows[results.cell_group_key(m) + (m["method"],)] = m
-    facts = next((d for d in reversed(same) if d.get("roofline")), newest)
-    return facts, list(rows.values()), len(same)
+    used: dict[int, dict] = {}
+    for dtype in dtypes:
+        measured = [d for d in having if any(m["suite"] == suite and m["dtype"] == dtype for m in d["measurements"])]
+        origin = (measured[-1]["git"]["commit"], measured[-1]["gpu"]["name"])
+        for d in measured:
+            if (d["git"]["commit"], d["gpu"]["name"]) != origin:
+                continue
+            used[id(d)] = d
+            for m in d["measurements"]:
+                if m["suite"] == suite and m["dtype"] == dtype:
+                    rows[results.cell_group_key(m) + (m["method"],)] = m
+    runs = sorted(used.values(), key=lambda d: d["created_utc"]) or having[-1:]
+    facts = next((d for d in reversed(runs) if d.get("roofline")), runs[-1])
+    return facts, list(rows.values()), len(runs)
 
 
 def render_arch(plt, arch: str, docs: list[dict], out: Path) -> Path:

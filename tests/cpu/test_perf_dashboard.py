@@ -56,3 +56,13 @@ def test_a_single_problem_size_renders_as_bars(tmp_path):
     for name in ("tflops-fake-fwd.png", "ratio-fake-bwd.png"):
         assert (tmp_path / "d" / "sm90" / name).stat().st_size > 1000
     assert not (tmp_path / "d" / "sm90" / "memory-fake.png").exists()
+
+
+def test_a_newer_run_in_another_dtype_does_not_hide_the_older_one():
+    bf16 = fake_doc()
+    fp16 = {**fake_doc(), "git": {"commit": "fake222", "dirty": False}, "created_utc": "2026-01-03T00:00:00+00:00"}
+    fp16["measurements"] = [{**m, "dtype": "fp16"} for m in fp16["measurements"] if m["pass"] == "fwd"]
+    doc, rows, merged = dashboard.merge_suite([bf16, fp16], "fake")
+    assert merged == 2 and doc is fp16
+    assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
+    assert {r["pass"] for r in rows if r["dtype"] == "bf16"} == {r["pass"] for r in bf16["measurements"]}
