@@ -35,13 +35,19 @@ def fake_semaphore() -> cute.Tensor:
     return make_fake_tensor(cutlass.Int32, shape, (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
 
+def fake_dq_accum() -> cute.Tensor:
+    """(batch, nheads, query blocks * block elements) float32 dQ workspace (see kernels/sm80/bwd.py)."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1)
+    return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
+
+
 def main_kernel_fake_args(dtype, head_dim: int, gqa: bool) -> tuple:
     """Fake arguments of FlashAttnBwdSm80.__call__, in order."""
     dkv_dtype = cutlass.Float32 if gqa else dtype
     return (
         fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim),
-        fake_bshd(dtype, head_dim), fake_rowstat(), fake_rowstat(),
-        fake_bshd(cutlass.Float32, round_up(head_dim, 32)),
+        fake_bshd(dtype, head_dim), fake_rowstat(), fake_rowstat(), fake_dq_accum(),
         fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
         cutlass.Float32(1.0), fake_stream(),
     )
@@ -53,8 +59,7 @@ def pre_kernel_fake_args(dtype, head_dim: int) -> tuple:
 
 
 def post_kernel_fake_args(dtype, head_dim: int) -> tuple:
-    return (fake_bshd(cutlass.Float32, round_up(head_dim, 32)), fake_bshd(dtype, head_dim),
-            cutlass.Float32(1.0), fake_stream())
+    return (fake_dq_accum(), fake_bshd(dtype, head_dim), cutlass.Float32(1.0), fake_stream())
 
 
 def main_kernel_key(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, tiles: dict) -> tuple:
@@ -72,8 +77,9 @@ def backward_builds(dtype, head_dim: int, causal: bool, deterministic: bool, gqa
         (main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
          lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
                   main_kernel_fake_args(dtype, head_dim, gqa))),
-        (("sm80", "bwd_post", dtype.__name__, head_dim),
-         lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim))),
+        (("sm80", "bwd_post", dtype.__name__, head_dim, tiles["m_block_size"], tiles["atom_m_dq"]),
+         lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"]),
+                  post_kernel_fake_args(dtype, head_dim))),
     )
 
 
@@ -97,9 +103,10 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     seqlen_q_pad = round_up(seqlen_q, ROW_PAD)
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
-    dq_accum = torch.zeros(batch, seqlen_q_pad, nheads, round_up(head_dim, 32), dtype=f32, device=device)
+    num_m_blocks = (seqlen_q + m_block - 1) // m_block
+    dq_accum = torch.zeros(batch, nheads, num_m_blocks * m_block * round_up(head_dim, 32), dtype=f32, device=device)
     if deterministic:
-        semaphore = torch.zeros(batch, nheads, (seqlen_q + m_block - 1) // m_block, dtype=torch.int32, device=device)
+        semaphore = torch.zeros(batch, nheads, num_m_blocks, dtype=torch.int32, device=device)
     else:
         semaphore = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
     if gqa:

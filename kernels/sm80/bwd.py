@@ -12,6 +12,11 @@ the saved log-sum-exp instead of storing anything of size seqlen_q x seqlen_k:
     dK_j += dS^T Q_i
     dQ_i += dS K_j                          fp32 atomics into a workspace (postprocess scales it)
 
+The dQ workspace is thread-major: element i of thread t's dQ accumulator for query block m_block
+lives at m_block * tile + i * num_threads + t of its (batch, head) row, so each warp-wide reduction
+covers 32 consecutive floats (4 full sectors) and every address is one base register plus an
+immediate. Only the postprocess, which partitions the same tiled MMA, knows where (row, col) is.
+
 dK and dV live in registers for the whole walk and are written once at the end (dK scaled by
 softmax_scale because dS is the gradient w.r.t. the scaled scores). With grouped-query attention
 the host passes fp32 per-query-head dK/dV workspaces and sums the groups itself.
@@ -138,15 +143,6 @@ class FlashAttnBwdSm80:
         return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= SMEM_CAPACITY_SM80
 
     # ------------------------------------------------------------------------------------------
-    def _tiled_mma(self, atom_m: int):
-        warps = self.num_threads // 32
-        atoms = (atom_m, warps // atom_m, 1)
-        return cute.make_tiled_mma(
-            warp.MmaF16BF16Op(self.dtype, Float32, (16, 8, 16)),
-            atoms,
-            permutation_mnk=(atoms[0] * 16, atoms[1] * 16, 16),
-        )
-
     @cute.jit
     def __call__(
         self,
@@ -192,7 +188,8 @@ class FlashAttnBwdSm80:
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
             softmax_scale, softmax_scale * LOG2_E,
             sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_copy,
-            self._tiled_mma(self.atom_m_sdp), self._tiled_mma(self.atom_n_dkv), self._tiled_mma(self.atom_m_dq),
+            *[tiled_mma_sm80(self.dtype, self.num_threads, atom_m)
+              for atom_m in (self.atom_m_sdp, self.atom_n_dkv, self.atom_m_dq)],
             SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -245,7 +242,7 @@ class FlashAttnBwdSm80:
         gV = cute.local_tile(mV[batch, None, head_kv, None], (n, d), (n_block, 0))
         gLSE = cute.local_tile(mLSElog2[batch, head, None], (m,), (None,))
         gdPsum = cute.local_tile(mdPsum[batch, head, None], (m,), (None,))
-        gdQaccum = cute.local_tile(mdQaccum[batch, None, head, None], (m, d), (None, 0))
+        gdQaccum = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (None,))
 
         # ---------------------------------------------------------------- shared memory
         smem = cutlass.memory.SmemAllocator()
@@ -325,7 +322,6 @@ class FlashAttnBwdSm80:
         tScS_mn = reshape_acc_to_mn(thr_mma_sdp.partition_C(cute.make_identity_tensor((m, n))))
         acc_shape_SdP = thr_mma_sdp.partition_shape_C((m, n))
         acc_shape_dQ = thr_mma_dq.partition_shape_C((m, d))
-        tdQgdQaccum = thr_mma_dq.partition_C(gdQaccum)
 
         if m_block_min < m_block_max:
             # ------------------------------------------------------------ prologue: K_j, V_j, Q/dO of the first block
@@ -397,7 +393,7 @@ class FlashAttnBwdSm80:
                 acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
                 acc_dQ.fill(0.0)
                 gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_A, s2r_dq_B)
-                self.accumulate_dQ(acc_dQ, tdQgdQaccum[None, None, None, m_block], mdQsemaphore,
+                self.accumulate_dQ(acc_dQ, gdQaccum[None, m_block], mdQsemaphore,
                                    batch, head, m_block, n_block, tidx)
 
                 # dK_j += dS^T Q_i
@@ -417,8 +413,9 @@ class FlashAttnBwdSm80:
 
         # ---------------------------------------------------------------- epilogue: dK_j, dV_j
         acc_dK.store(acc_dK.load() * softmax_scale)
-        self.store_dKV(acc_dK, mdK, tiled_mma_dkv, batch, head, n_block, seqlen_k, tidx)
-        self.store_dKV(acc_dV, mdV, tiled_mma_dkv, batch, head, n_block, seqlen_k, tidx)
+        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
+            gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
+            store_acc(acc, gX, tiled_mma_dkv, seqlen_k - n_block * n, self.head_dim, tidx)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -454,7 +451,7 @@ class FlashAttnBwdSm80:
                       cute.local_tile(sdPsum[None, stage], (1,), (tidx,)))
 
     @cute.jit
-    def accumulate_dQ(self, acc_dQ: cute.Tensor, tdQgdQaccum: cute.Tensor, mdQsemaphore: cute.Tensor,
+    def accumulate_dQ(self, acc_dQ: cute.Tensor, gdQaccum_tile: cute.Tensor, mdQsemaphore: cute.Tensor,
                       batch: Int32, head: Int32, m_block: Int32, n_block: Int32, tidx: Int32):
         if cutlass.const_expr(self.deterministic):
             # Key blocks that see query block m_block are 0..k: add in n_block order.
@@ -463,41 +460,51 @@ class FlashAttnBwdSm80:
                 while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
                     pass
             cute.arch.barrier()
-        for i in cutlass.range(cute.size(acc_dQ), unroll_full=True):
-            ptr = tdQgdQaccum.iterator + cute.crd2idx(i, tdQgdQaccum.layout)
-            cute.arch.red(ptr, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
+        mine = gdQaccum_tile.iterator + tidx
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            cute.arch.red(mine + i * self.num_threads, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
         if cutlass.const_expr(self.deterministic):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
-    @cute.jit
-    def store_dKV(self, acc: cute.Tensor, mX: cute.Tensor, tiled_mma: cute.TiledMma, batch: Int32, head: Int32,
-                  n_block: Int32, seqlen_k: Int32, tidx: Int32):
-        """Registers -> global, two elements per store, rows past seqlen_k and padded columns skipped."""
-        n, d = self.n_block_size, self.head_dim_padded
-        out_dtype = mX.element_type
-        rX = cute.make_fragment_like(acc, out_dtype)
-        rX.store(acc.load().to(out_dtype))
-        gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
-        r2g = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width),
-            tiled_mma,
-        ).get_slice(tidx)
-        tXrX = r2g.retile(rX)
-        tXgX = r2g.partition_D(gX)
-        tXcX = r2g.partition_D(cute.make_identity_tensor((n, d)))
-        # One predicate per store: an accumulator holds rows r and r + 8 of each m16 atom, so
-        # every (atom_rest, m, n) position is checked on its own.
-        rows_left = seqlen_k - n_block * n
-        pred = cute.make_rmem_tensor(
-            cute.make_layout((cute.size(tXgX, mode=[0, 1]), cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2]))),
-            cutlass.Boolean,
-        )
-        for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
-            for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
-                for j in cutlass.range_constexpr(cute.size(pred, mode=[2])):
-                    coord = tXcX[(0, v), i, j]
-                    pred[v, i, j] = coord[0] < rows_left and coord[1] < self.head_dim
-        cute.copy(r2g, tXrX, tXgX, pred=pred)
+
+def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
+    """m16n8k16 mma.sync over `num_threads // 32` warps, `atom_m` of them stacked along M."""
+    warps = num_threads // 32
+    atoms = (atom_m, warps // atom_m, 1)
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+        atoms,
+        permutation_mnk=(atoms[0] * 16, atoms[1] * 16, 16),
+    )
+
+
+@cute.jit
+def store_acc(acc: cute.Tensor, gX: cute.Tensor, tiled_mma: cute.TiledMma, rows_left: Int32,
+              head_dim: cutlass.Constexpr[int], tidx: Int32):
+    """An fp32 accumulator tile -> gX in gX's dtype, two elements per store; rows at or past
+    `rows_left` and columns past `head_dim` (the padding of the tile) are skipped."""
+    out_dtype = gX.element_type
+    rX = cute.make_fragment_like(acc, out_dtype)
+    rX.store(acc.load().to(out_dtype))
+    r2g = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), out_dtype, num_bits_per_copy=2 * out_dtype.width),
+        tiled_mma,
+    ).get_slice(tidx)
+    tXrX = r2g.retile(rX)
+    tXgX = r2g.partition_D(gX)
+    tXcX = r2g.partition_D(cute.make_identity_tensor(gX.shape))
+    # One predicate per store: an accumulator holds rows r and r + 8 of each m16 atom, so
+    # every (atom_rest, m, n) position is checked on its own.
+    pred = cute.make_rmem_tensor(
+        cute.make_layout((cute.size(tXgX, mode=[0, 1]), cute.size(tXgX, mode=[1]), cute.size(tXgX, mode=[2]))),
+        cutlass.Boolean,
+    )
+    for v in cutlass.range_constexpr(cute.size(pred, mode=[0])):
+        for i in cutlass.range_constexpr(cute.size(pred, mode=[1])):
+            for j in cutlass.range_constexpr(cute.size(pred, mode=[2])):
+                coord = tXcX[(0, v), i, j]
+                pred[v, i, j] = coord[0] < rows_left and coord[1] < head_dim
+    cute.copy(r2g, tXrX, tXgX, pred=pred)

@@ -61,9 +61,12 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(dtype, head_dim, causal
 def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, capsys):
     with capsys.disabled():
         pre = compile_report(FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim), arch=ARCH)
-        post = compile_report(FlashAttnBwdPostprocessSm80(dtype, head_dim), post_kernel_fake_args(dtype, head_dim), arch=ARCH)
+        tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, False)
+        post_kernel = FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"])
+        post = compile_report(post_kernel, post_kernel_fake_args(dtype, head_dim), arch=ARCH)
     assert pre.spill_bytes == 0 and post.spill_bytes == 0
     assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
+    assert "ld.global.b32" in post.ptx  # the workspace is read back one float per thread, coalesced
 
 
 def test_tiles_fit_and_cover_every_head_dim():
