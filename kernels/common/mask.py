@@ -59,14 +59,14 @@ def apply_mask(
         if cutlass.const_expr(mask_seqlen):
             if cutlass.const_expr(not transposed):
                 for c in cutlass.range_constexpr(num_cols):
-                    if t0ScS_mn[0, c][K] >= k_limit_seqlen:
-                        for r in cutlass.range_constexpr(num_rows):
-                            acc_S_mn[r, c] = -Float32.inf
+                    oob = t0ScS_mn[0, c][K] >= k_limit_seqlen
+                    for r in cutlass.range_constexpr(num_rows):
+                        acc_S_mn[r, c] = -Float32.inf if oob else acc_S_mn[r, c]
             else:
                 for r in cutlass.range_constexpr(num_rows):
-                    if t0ScS_mn[r, 0][K] >= k_limit_seqlen:
-                        for c in cutlass.range_constexpr(num_cols):
-                            acc_S_mn[r, c] = -Float32.inf
+                    oob = t0ScS_mn[r, 0][K] >= k_limit_seqlen
+                    for c in cutlass.range_constexpr(num_cols):
+                        acc_S_mn[r, c] = -Float32.inf if oob else acc_S_mn[r, c]
     else:
         # key j visible from query i iff j < i + 1 + seqlen_k - seqlen_q
         diag = q_offset + 1 + seqlen_k - seqlen_q - k_offset
@@ -76,13 +76,11 @@ def apply_mask(
                 if cutlass.const_expr(mask_seqlen):
                     k_limit = cutlass.min(k_limit, k_limit_seqlen)
                 for c in cutlass.range_constexpr(num_cols):
-                    if t0ScS_mn[0, c][K] >= k_limit:
-                        acc_S_mn[r, c] = -Float32.inf
+                    acc_S_mn[r, c] = -Float32.inf if t0ScS_mn[0, c][K] >= k_limit else acc_S_mn[r, c]
         else:
             for c in cutlass.range_constexpr(num_cols):
                 k_limit = diag + t0ScS_mn[0, c][Q]
                 if cutlass.const_expr(mask_seqlen):
                     k_limit = cutlass.min(k_limit, k_limit_seqlen)
                 for r in cutlass.range_constexpr(num_rows):
-                    if t0ScS_mn[r, 0][K] >= k_limit:
-                        acc_S_mn[r, c] = -Float32.inf
+                    acc_S_mn[r, c] = -Float32.inf if t0ScS_mn[r, 0][K] >= k_limit else acc_S_mn[r, c]

@@ -12,7 +12,8 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
   O += P V (wgmma with P straight from registers).
 * Intra-warp-group overlap: the S GEMM of the next K/V block is issued together with the PV
   GEMM of the current one, and the softmax of the next block runs while that PV GEMM does.
-  Causal-masked blocks wait for the PV GEMM first (registers: see `one_block`).
+  Causal-masked blocks overlap too (`overlap_masked`); P's conversion is pinned in place so
+  that this fits in registers (see `convert_P`).
 * Inter-warp-group ping-pong: named barriers make the consumer warp groups take turns
   issuing GEMMs, so one group's softmax hides behind the other group's GEMMs.
 * Epilogue: O is normalized, written to smem (reusing the Q buffer) and stored by TMA, which
@@ -34,7 +35,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
@@ -67,6 +70,7 @@ class FlashAttnFwdSm90:
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         lpt: str = "l2",
+        overlap_masked: bool = True,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
@@ -78,6 +82,9 @@ class FlashAttnFwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
+        # False: causal-masked blocks wait for the previous PV GEMM before masking (no overlap on
+        # the diagonal). Kept to A/B the overlap on the GPU.
+        self.overlap_masked = overlap_masked
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
         self.lpt = lpt if causal else "none"
@@ -121,11 +128,12 @@ class FlashAttnFwdSm90:
 
     @staticmethod
     def default_tiles(dtype, head_dim: int, causal: bool) -> dict:
-        # Measured on the H100 (bf16, 8k, perf/NOTES.md): d64 with three consumer warpgroups of
-        # 64 rows is 13% faster non-causal and 5% causal than 128x128; d128 gains 4% from a third
-        # K/V stage non-causal, which still fits in 227 KB of smem.
+        # Measured on the H100 (bf16, perf/NOTES.md): d64 with three consumer warpgroups of 64
+        # rows and 128-column blocks is 2-8% faster than 192x96 (which beat 128x128 by 13%); d128
+        # gains 4% from a third K/V stage, which still fits in 227 KB of smem, and loses 2-15% with
+        # wider blocks (144-176 columns, two stages).
         if head_dim <= 64:
-            return dict(tile_m=192, tile_n=96, num_stages=2)
+            return dict(tile_m=192, tile_n=128, num_stages=2)
         if head_dim <= 96:
             return dict(tile_m=128, tile_n=128, num_stages=2)
         if head_dim <= 128:
@@ -397,7 +405,6 @@ class FlashAttnFwdSm90:
         # P as the register A operand of the PV wgmma. Its k-blocks of 16 columns are pairs of
         # the S accumulator's 8-column chunks, so both fragments share one register order.
         tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        tOrP_as_acc = cute.make_tensor(tOrP.iterator, acc_S.layout)
 
         softmax = OnlineSoftmax.create(
             softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0])
@@ -412,7 +419,7 @@ class FlashAttnFwdSm90:
 
         c = SimpleNamespace(
             tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-            tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, tOrP_as_acc=tOrP_as_acc,
+            tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP,
             thr_qk=thr_qk, softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
             seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         )
@@ -442,8 +449,9 @@ class FlashAttnFwdSm90:
                 self.mask(c, n_block_max - 1, True, self.causal)
                 c.softmax.online_softmax(c.acc_S, is_first=True)
                 self.convert_P(c)
-                for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
-                    kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
+                if const_expr(self.causal):
+                    for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
+                        kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
                 for i in cutlass.range(n_block_unmasked, unroll=1):
                     kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
                 pipeline_v.consumer_wait(kv_state)
@@ -472,7 +480,12 @@ class FlashAttnFwdSm90:
         gemm(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, stage], zero_init=False)
 
     def convert_P(self, c):
-        c.tOrP_as_acc.store(c.acc_S.load().to(self.dtype))
+        # Not `tOrP.store(acc_S.load().to(dtype))`: LLVM sinks that pure conversion to its use, the
+        # PV GEMM of the next block, which is issued after that block's S GEMM. S of the previous
+        # block then stays live (and is copied) while the new S GEMM is in flight: 64 extra
+        # registers, and ptxas serializes every wgmma of the kernel (C7512) once the masked loop
+        # overlaps. The conversion below is an asm statement with side effects, so it stays here.
+        convert_f32_to_16bit(c.acc_S, c.tOrP)
 
     @cute.jit
     def one_block(self, c, kv_state, n_block, mask_causal: cutlass.Constexpr):
@@ -485,10 +498,7 @@ class FlashAttnFwdSm90:
         c.pipeline_v.consumer_wait(kv_state_v)
         self.gemm_pv(c, kv_state_v.index)
         self.sched_signal(c.wg_idx)
-        if const_expr(mask_causal):
-            # Masking while the PV GEMM still holds O, P and S registers runs out of registers,
-            # and ptxas then serializes every wgmma of the kernel (C7512). The few diagonal blocks
-            # give up the overlap instead.
+        if const_expr(mask_causal and not self.overlap_masked):
             warpgroup.wait_group(0)
         else:
             warpgroup.wait_group(1)
@@ -590,3 +600,34 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
         mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
         cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
     warpgroup.commit_group()
+
+
+@dsl_user_op
+def _cvt_pack_16bit(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
+    """Two floats rounded to fp16/bf16 and packed into one 32-bit register (lo in bits 0-15).
+
+    An asm statement with side effects: LLVM keeps it where it is written (see `convert_P`).
+    """
+    pair = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{pair}.f32 $0, $2, $1;",  # the first source goes to the upper half
+        "=r,f,f",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@cute.jit
+def convert_f32_to_16bit(src: cute.Tensor, dst: cute.Tensor):
+    """dst <- src rounded to dst's 16-bit type, register offset k to register offset k.
+
+    Both are compact register fragments; the P fragment of an RS wgmma has the same register
+    order as the S accumulator, so no layout is needed, only the flat offsets.
+    """
+    n = cute.size(src)
+    assert cute.cosize(src.layout) == n and cute.cosize(dst.layout) == n and n % 2 == 0
+    src_flat = cute.make_tensor(src.iterator, cute.make_layout(n))
+    dst_pairs = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=Int32), cute.make_layout(n // 2))
+    for i in cutlass.range_constexpr(n // 2):
+        dst_pairs[i] = _cvt_pack_16bit(src_flat[2 * i], src_flat[2 * i + 1], dst.element_type)

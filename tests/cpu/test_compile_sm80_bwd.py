@@ -54,7 +54,12 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(dtype, head_dim, causal
     assert "red." in ptx and ".add.f32" in ptx  # dQ accumulation
     if deterministic:
         assert "ld.acquire" in ptx  # the ordered dQ semaphore
-    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
+    # d 64 and 128 keep dK, dV, S and dP accumulators (192 registers) plus operand fragments at
+    # 255 registers; ptxas spills up to 64 bytes there depending on the mask code (FA2's kernel
+    # spills too). The spill-free warp layouts measured 6-8% slower on the H100 (docs/kernels/
+    # sm80-backward.md), so those two keep a small, bounded spill; every other variant none.
+    allowed = 64 if head_dim in (64, 128) else 0
+    assert report.spill_bytes <= allowed, f"{report.spill_bytes} bytes spilled"
 
 
 @pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 40), (BF16, 256)])
