@@ -96,12 +96,13 @@ _forward_kernels: dict[tuple, object] = {}
 hashes its key, which the per-call path should not pay for."""
 
 
-def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool):
+def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, short: bool):
     capability = dispatch.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, dispatch.kernel_family(capability))
+    key = (device.index, dtype, head_dim, causal, short, dispatch.kernel_family(capability))
     compiled = _forward_kernels.get(key)
     if compiled is None:
-        compiled = dispatch.plan_forward(capability, dtype, head_dim, causal).compiled()
+        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, short, dispatch.sm_count(device.index))
+        compiled = plan.compiled()
         _forward_kernels[key] = compiled
     return compiled
 
@@ -124,7 +125,8 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
-        compiled = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal))
+        short = problem.seqlen_k <= dispatch.SHORT_SEQLEN_K
+        compiled = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), short)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         compiled(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)

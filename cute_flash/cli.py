@@ -38,10 +38,13 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
     from . import dispatch
 
     if pass_name == "fwd":
-        plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal)
-        family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
-        label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}"
-        return [(label, plan.key, plan.build, KEY_INSTRUCTIONS[family])]
+        builds = {}
+        for short in (False, True):  # a kernel may launch differently for short sequences
+            plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal, short)
+            family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
+            label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'/short' if short else ''}"
+            builds.setdefault(plan.key, (label, plan.key, plan.build, KEY_INSTRUCTIONS[family]))
+        return list(builds.values())
     from .backward_sm80 import backward_builds
 
     builds = []

@@ -38,6 +38,20 @@ def target_arch(device_index: int | None = None) -> str:
     return target_arch_for(capability(torch.cuda.current_device() if device_index is None else device_index))
 
 
+# Without a GPU (compile checks, CI) persistent kernels are sized for an H100 SXM.
+DEFAULT_SM_COUNT = 132
+
+
+@lru_cache(maxsize=None)
+def sm_count(device_index: int | None = None) -> int:
+    """Streaming multiprocessors of a GPU (default: the current one), or DEFAULT_SM_COUNT
+    where there is no GPU."""
+    if not torch.cuda.is_available():
+        return DEFAULT_SM_COUNT
+    index = torch.cuda.current_device() if device_index is None else device_index
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def kernel_family(capability: tuple[int, int]) -> str:
     forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
     if forced:
@@ -86,11 +100,21 @@ def _forward_classes(family: str):
     return (FlashAttnFwdSm80,)
 
 
-def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool) -> Plan:
-    """The forward kernel for this GPU and problem class (never depends on lengths or batch)."""
+# Problems with at most this many keys are "short": kernels may pick other launch settings for
+# them (FlashAttnFwdSm90.length_config). The only way lengths reach a compile key.
+SHORT_SEQLEN_K = 2048
+
+
+def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
+                 short: bool = False, num_sms: int | None = None) -> Plan:
+    """The forward kernel for this GPU and problem class. Lengths matter only through `short`
+    (seqlen_k <= SHORT_SEQLEN_K); persistent kernels are sized to `num_sms` (default: the
+    current GPU's, see sm_count)."""
     cdtype = cutlass_dtype(dtype)
     for cls in _forward_classes(kernel_family(capability)):
         tiles = cls.default_tiles(cdtype, head_dim, causal)
+        if hasattr(cls, "length_config"):
+            tiles.update(cls.length_config(head_dim, short, sm_count() if num_sms is None else num_sms))
         if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
             fake = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(), cutlass.Float32(1.0), fake_stream())

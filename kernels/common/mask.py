@@ -40,6 +40,7 @@ def apply_mask(
     mask_seqlen: cutlass.Constexpr[bool],
     mask_causal: cutlass.Constexpr[bool],
     transposed: cutlass.Constexpr[bool] = False,
+    branchless: cutlass.Constexpr[bool] = True,
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
     tile = (tile_m, tile_n) if cutlass.const_expr(not transposed) else (tile_n, tile_m)
@@ -61,12 +62,12 @@ def apply_mask(
                 for c in cutlass.range_constexpr(num_cols):
                     oob = t0ScS_mn[0, c][K] >= k_limit_seqlen
                     for r in cutlass.range_constexpr(num_rows):
-                        acc_S_mn[r, c] = -Float32.inf if oob else acc_S_mn[r, c]
+                        _mask_one(acc_S_mn, r, c, oob, branchless)
             else:
                 for r in cutlass.range_constexpr(num_rows):
                     oob = t0ScS_mn[r, 0][K] >= k_limit_seqlen
                     for c in cutlass.range_constexpr(num_cols):
-                        acc_S_mn[r, c] = -Float32.inf if oob else acc_S_mn[r, c]
+                        _mask_one(acc_S_mn, r, c, oob, branchless)
     else:
         # key j visible from query i iff j < i + 1 + seqlen_k - seqlen_q
         diag = q_offset + 1 + seqlen_k - seqlen_q - k_offset
@@ -76,11 +77,24 @@ def apply_mask(
                 if cutlass.const_expr(mask_seqlen):
                     k_limit = cutlass.min(k_limit, k_limit_seqlen)
                 for c in cutlass.range_constexpr(num_cols):
-                    acc_S_mn[r, c] = -Float32.inf if t0ScS_mn[0, c][K] >= k_limit else acc_S_mn[r, c]
+                    _mask_one(acc_S_mn, r, c, t0ScS_mn[0, c][K] >= k_limit, branchless)
         else:
             for c in cutlass.range_constexpr(num_cols):
                 k_limit = diag + t0ScS_mn[0, c][Q]
                 if cutlass.const_expr(mask_seqlen):
                     k_limit = cutlass.min(k_limit, k_limit_seqlen)
                 for r in cutlass.range_constexpr(num_rows):
-                    acc_S_mn[r, c] = -Float32.inf if t0ScS_mn[r, 0][K] >= k_limit else acc_S_mn[r, c]
+                    _mask_one(acc_S_mn, r, c, t0ScS_mn[r, 0][K] >= k_limit, branchless)
+
+
+@cute.jit
+def _mask_one(acc_S_mn: cute.Tensor, r: int, c: int, hidden, branchless: cutlass.Constexpr[bool]) -> None:
+    """acc_S_mn[r, c] = -inf where `hidden`. `branchless` compiles to one select per element,
+    which keeps the sm90 forward's score registers few (a branch per element had become a
+    chain of selects that kept the unmasked scores live); the sm80 backward, at 255
+    registers, allocates better with the branch."""
+    if cutlass.const_expr(branchless):
+        acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
+    else:
+        if hidden:
+            acc_S_mn[r, c] = -Float32.inf

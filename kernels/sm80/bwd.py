@@ -361,7 +361,7 @@ class FlashAttnBwdSm80:
                 acc_dP_mn = reshape_acc_to_mn(acc_dP)
                 if last_n_block_partial or m_block < m_block_max_mask:
                     apply_mask(acc_S, thr_mma_sdp, m, n, m_block, n_block, seqlen_q, seqlen_k,
-                               mask_seqlen=True, mask_causal=self.causal)
+                               mask_seqlen=True, mask_causal=self.causal, branchless=False)
                 for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                     row = tScS_mn[r, 0][0]
                     lse_log2 = sLSE[row, stage_q]

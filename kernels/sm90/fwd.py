@@ -71,6 +71,7 @@ class FlashAttnFwdSm90:
         pingpong: bool = True,
         lpt: str = "l2",
         overlap_masked: bool = True,
+        num_sms: int = 0,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
@@ -88,6 +89,15 @@ class FlashAttnFwdSm90:
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
         self.lpt = lpt if causal else "none"
+        # Persistent CTAs: with num_sms > 0 the grid is at most num_sms CTAs, each walking the tiles
+        # (m_block, head, batch) with a stride of the grid size, so the producer loads the next
+        # tile's K, V (and Q, when O has its own smem buffer) while the consumers finish the
+        # current one. 0: one CTA per tile.
+        self.num_sms = num_sms
+        self.separate_o = (
+            FlashAttnFwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) + tile_m * head_dim * dtype.width // 8
+            <= _SMEM_BYTES
+        )
         self.num_wg_mma = tile_m // 64
         self.pingpong = pingpong and self.num_wg_mma >= 2
         self.num_mma_threads = 128 * self.num_wg_mma
@@ -141,6 +151,22 @@ class FlashAttnFwdSm90:
         if head_dim <= 192:
             return dict(tile_m=128, tile_n=112, num_stages=2)
         return dict(tile_m=128, tile_n=80, num_stages=2)
+
+    @staticmethod
+    def length_config(head_dim: int, short: bool, num_sms: int) -> dict:
+        """Init arguments for a length bucket (`short`: seqlen_k <= dispatch.SHORT_SEQLEN_K).
+
+        Measured on the H100 (bf16, perf/NOTES.md): persistent CTAs are 5-24% faster at seqlen
+        512-2048 for head dims up to 128, where a tile is only a few K/V blocks and the next
+        tile's loads hide behind this one's epilogue; at 8k they are 6-10% slower than one CTA
+        per tile. d128 then prefers two K/V stages, which leave room for O's own smem buffer.
+        """
+        if not short or head_dim > 128:
+            return {}
+        config = dict(num_sms=num_sms)
+        if head_dim > 96:
+            config["num_stages"] = 2
+        return config
 
     # ------------------------------------------------------------------ host entry
 
@@ -213,15 +239,21 @@ class FlashAttnFwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
+            sO: cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 0], 1024
+            ]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        num_tiles = cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+        grid_x = num_tiles
+        if const_expr(self.num_sms > 0):
+            grid_x = cutlass.min(num_tiles, self.num_sms)
         softmax_scale_log2 = softmax_scale * Float32(LOG2_E)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mLSE,
             softmax_scale_log2, tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sVt_layout, SharedStorage,
         ).launch(
-            grid=[num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[3])],
+            grid=[grid_x, 1, 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -247,10 +279,6 @@ class FlashAttnFwdSm90:
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = self.tile_coord(mK.shape[0])
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
-        seqlen_q = mQ.shape[0]
-        seqlen_k = mK.shape[0]
 
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_K, tma_atom_V, tma_atom_O):
@@ -280,49 +308,48 @@ class FlashAttnFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-
-        block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
-        _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        sO = sQ
+        if const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
             if warp_idx == 0:
                 self.load(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch,
-                    n_block_max,
+                    pipeline_q, pipeline_k, pipeline_v,
                 )
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tma_atom_O, mO, mLSE,
-                pipeline_q, pipeline_k, pipeline_v, tidx - 128, m_block, head, batch,
-                seqlen_q, seqlen_k, n_block_max, block_ranges, softmax_scale_log2,
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mLSE,
+                pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
             )
 
     # ------------------------------------------------------------------ tile order
 
     @cute.jit
-    def tile_coord(self, seqlen_k: Int32):
-        """(m_block, head, batch) of this CTA.
+    def tile_coord(self, tile: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_batch: Int32):
+        """(m_block, head, batch) of tile index `tile` (blockIdx.x, then + gridDim.x per step).
 
-        CTAs start in launch order. With causal masking the tiles at the end of the sequence do
-        the most work, so they should start first (longest processing time first), but
-        consecutive CTAs should also share K/V in L2: tiles are ordered by descending m_block
-        within groups of (head, batch) pairs whose K and V fit in L2 together.
+        With causal masking the tiles at the end of the sequence do the most work, so they
+        should start first (longest processing time first), but consecutive tiles should also
+        share K/V in L2: tiles are ordered by descending m_block within groups of (head, batch)
+        pairs whose K and V fit in L2 together.
         """
-        bidx, head, batch = cute.arch.block_idx()
-        num_m_blocks, num_heads, num_batch = cute.arch.grid_dim()
-        m_block = bidx
+        num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        hb = tile // num_m_blocks
+        m_block = tile - hb * num_m_blocks
+        batch = hb // num_heads
+        head = hb - batch * num_heads
         if const_expr(self.lpt == "head"):
-            m_block = num_m_blocks - 1 - bidx
+            m_block = num_m_blocks - 1 - m_block
         if const_expr(self.lpt == "l2"):
             kv_tokens_in_l2 = _L2_BYTES // (2 * self.head_dim * self.dtype.width // 8)
             group = cutlass.max(Int32(kv_tokens_in_l2) // cutlass.max(seqlen_k, 1), 1)
             num_hb = num_heads * num_batch
-            linear = bidx + num_m_blocks * (head + num_heads * batch)
-            group_idx = linear // (group * num_m_blocks)
-            in_group = linear - group_idx * (group * num_m_blocks)
+            group_idx = tile // (group * num_m_blocks)
+            in_group = tile - group_idx * (group * num_m_blocks)
             group_size = cutlass.min(group, num_hb - group_idx * group)
             m_rev = in_group // group_size
             hb = group_idx * group + (in_group - m_rev * group_size)
@@ -331,52 +358,66 @@ class FlashAttnFwdSm90:
             head = hb - batch * num_heads
         return m_block, head, batch
 
+    def num_tiles(self, seqlen_q, num_heads, num_batch):
+        return cute.ceil_div(seqlen_q, self.tile_m) * num_heads * num_batch
+
     # ------------------------------------------------------------------ producer
 
     @cute.jit
     def load(
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-        pipeline_q, pipeline_k, pipeline_v, m_block, head, head_kv, batch, n_block_max,
+        pipeline_q, pipeline_k, pipeline_v,
     ):
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
+        seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
+        block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         no_mcast = cute.make_layout(1)
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-        )
-        tVsV, tVgV = cpasync.tma_partition(
-            tma_atom_V, 0, no_mcast, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
-        )
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        tile = cute.arch.block_idx()[0]
+        while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
+            m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
+            head_kv = head // (num_heads // mK.shape[2])
+            _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+            gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+            )
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_V, 0, no_mcast, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+            )
+            load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
+            load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
 
-        load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
-        load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
-
-        if n_block_max > 0:
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            load_K(n_block_max - 1, state)
-            pipeline_q.producer_acquire(q_state)
-            cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-            if const_expr(self.intra_wg_overlap):
-                # Consumers want K of block j before V of block j+1: issue in that order.
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    state_prev = state.clone()
-                    state.advance()
-                    load_K(n_block, state)
-                    load_V(n_block + 1, state_prev)
-                load_V(0, state)
-            else:
-                load_V(n_block_max - 1, state)
-                for i in cutlass.range(n_block_max - 1, unroll=1):
-                    n_block = n_block_max - 2 - i
-                    state.advance()
-                    load_K(n_block, state)
-                    load_V(n_block, state)
+            if n_block_max > 0:
+                # K first: Q's buffer may still hold the previous tile (or its O) until the
+                # consumers release it.
+                load_K(n_block_max - 1, kv_state)
+                pipeline_q.producer_acquire(q_state)
+                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                q_state.advance()
+                if const_expr(self.intra_wg_overlap):
+                    # Consumers want K of block j before V of block j+1: issue in that order.
+                    for i in cutlass.range(n_block_max - 1, unroll=1):
+                        n_block = n_block_max - 2 - i
+                        state_prev = kv_state.clone()
+                        kv_state.advance()
+                        load_K(n_block, kv_state)
+                        load_V(n_block + 1, state_prev)
+                    load_V(0, kv_state)
+                else:
+                    load_V(n_block_max - 1, kv_state)
+                    for i in cutlass.range(n_block_max - 1, unroll=1):
+                        n_block = n_block_max - 2 - i
+                        kv_state.advance()
+                        load_K(n_block, kv_state)
+                        load_V(n_block, kv_state)
+                kv_state.advance()
+            tile += cute.arch.grid_dim()[0]
 
     def load_block(self, tma_atom, tXgX, tXsX, pipe, n_block, state):
         pipe.producer_acquire(state)
@@ -387,9 +428,8 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def mma(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, tma_atom_O, mO, mLSE,
-        pipeline_q, pipeline_k, pipeline_v, tidx, m_block, head, batch,
-        seqlen_q, seqlen_k, n_block_max, block_ranges, softmax_scale_log2,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mLSE,
+        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -401,7 +441,6 @@ class FlashAttnFwdSm90:
         tOrVt = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt))
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((self.tile_m, self.tile_n)))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((self.tile_m, self.head_dim)))
-        acc_O.fill(0.0)
         # P as the register A operand of the PV wgmma. Its k-blocks of 16 columns are pairs of
         # the S accumulator's 8-column chunks, so both fragments share one register order.
         tOrP = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((self.tile_m, self.tile_n)))
@@ -409,19 +448,11 @@ class FlashAttnFwdSm90:
         softmax = OnlineSoftmax.create(
             softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0])
         )
-        softmax.reset()
 
         tOcO_mn = reshape_acc_to_mn(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma_pv,
-        )
-
-        c = SimpleNamespace(
-            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-            tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP,
-            thr_qk=thr_qk, softmax=softmax, pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k,
         )
 
         if const_expr(self.pingpong):
@@ -431,45 +462,74 @@ class FlashAttnFwdSm90:
                     barrier_id=_SCHED_BARRIER_BASE, number_of_threads=256
                 )
 
-        if n_block_max > 0:
-            kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-            pipeline_q.consumer_wait(q_state)
-            n_block_causal = n_block_max
-            if const_expr(self.causal):
-                n_block_causal = block_ranges.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, 0)
-            # Blocks [0, n_block_unmasked) need no mask; the last block is always masked.
-            n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
-            if const_expr(self.intra_wg_overlap):
-                # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM.
-                pipeline_k.consumer_wait(kv_state)
-                self.gemm_qk(c, kv_state.index)
-                warpgroup.wait_group(0)
-                pipeline_k.consumer_release(kv_state)
-                self.mask(c, n_block_max - 1, True, self.causal)
-                c.softmax.online_softmax(c.acc_S, is_first=True)
-                self.convert_P(c)
-                if const_expr(self.causal):
-                    for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
-                        kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
-                for i in cutlass.range(n_block_unmasked, unroll=1):
-                    kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
-                pipeline_v.consumer_wait(kv_state)
-                self.gemm_pv(c, kv_state.index)
-                warpgroup.wait_group(0)
-                pipeline_v.consumer_release(kv_state)
-            else:
-                kv_state = self.one_block_serial(c, kv_state, n_block_max - 1, True, self.causal, True)
-                for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
-                    kv_state = self.one_block_serial(c, kv_state, n_block_max - 2 - i, False, True, False)
-                for i in cutlass.range(n_block_unmasked, unroll=1):
-                    kv_state = self.one_block_serial(
-                        c, kv_state, n_block_unmasked - 1 - i, False, False, False
-                    )
+        num_heads, num_batch = mO.shape[2], mO.shape[3]
+        block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        tile = cute.arch.block_idx()[0]
+        while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
+            m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
+            _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+            acc_O.fill(0.0)
+            softmax.reset()
+            c = SimpleNamespace(
+                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+                tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
+                pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
+                seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+            )
+            if n_block_max > 0:
+                pipeline_q.consumer_wait(q_state)
+                kv_state = self.mainloop(c, kv_state, n_block_max, block_ranges)
+                if const_expr(self.separate_o):
+                    # The producer may load the next tile's Q while this one's epilogue runs.
+                    pipeline_q.consumer_release(q_state)
+            softmax.rescale_O(acc_O, softmax.finalize())
+            self.epilogue(acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mLSE, tidx,
+                          m_block, head, batch, seqlen_q)
+            if n_block_max > 0:
+                if const_expr(not self.separate_o):
+                    # O went out through Q's buffer; the epilogue waited until TMA had read it.
+                    pipeline_q.consumer_release(q_state)
+                q_state.advance()
+            tile += cute.arch.grid_dim()[0]
 
-        softmax.rescale_O(acc_O, softmax.finalize())
-        self.epilogue(acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sQ, tma_atom_O, mO, mLSE, tidx,
-                      m_block, head, batch, seqlen_q)
+    @cute.jit
+    def mainloop(self, c, kv_state, n_block_max, block_ranges):
+        """Algorithm 1's inner loop over the K/V blocks of one tile, last block first."""
+        n_block_causal = n_block_max
+        if const_expr(self.causal):
+            n_block_causal = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
+        # Blocks [0, n_block_unmasked) need no mask; the last block is always masked.
+        n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
+        if const_expr(self.intra_wg_overlap):
+            # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM.
+            c.pipeline_k.consumer_wait(kv_state)
+            self.gemm_qk(c, kv_state.index)
+            warpgroup.wait_group(0)
+            c.pipeline_k.consumer_release(kv_state)
+            self.mask(c, n_block_max - 1, True, self.causal)
+            c.softmax.online_softmax(c.acc_S, is_first=True)
+            self.convert_P(c)
+            if const_expr(self.causal):
+                for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
+                    kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
+            for i in cutlass.range(n_block_unmasked, unroll=1):
+                kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
+            c.pipeline_v.consumer_wait(kv_state)
+            self.gemm_pv(c, kv_state.index)
+            warpgroup.wait_group(0)
+            c.pipeline_v.consumer_release(kv_state)
+            kv_state.advance()
+        else:
+            kv_state = self.one_block_serial(c, kv_state, n_block_max - 1, True, self.causal, True)
+            for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
+                kv_state = self.one_block_serial(c, kv_state, n_block_max - 2 - i, False, True, False)
+            for i in cutlass.range(n_block_unmasked, unroll=1):
+                kv_state = self.one_block_serial(
+                    c, kv_state, n_block_unmasked - 1 - i, False, False, False
+                )
+        return kv_state
 
     # ------------------------------------------------------------------ one K/V block
 
@@ -558,7 +618,7 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, tOcO_mn, smem_copy_O, sQ, tma_atom_O, mO, mLSE, tidx,
+        self, acc_O, lse, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mLSE, tidx,
         m_block, head, batch, seqlen_q,
     ):
         # LSE straight from registers: the thread holding column 0 of a row writes it.
@@ -568,12 +628,15 @@ class FlashAttnFwdSm90:
                 if row < seqlen_q:
                     mLSE[batch, head, row] = lse[r]
 
-        # O: registers -> smem (the Q buffer: each warp group overwrites only its own rows,
-        # which its last S GEMM has finished reading) -> one TMA store, clipped at seqlen_q.
-        sO = sQ
+        # O: registers -> smem -> one TMA store, clipped at seqlen_q. sO is its own buffer or Q's
+        # (each warp group overwrites only its own rows, which its last S GEMM has finished
+        # reading). The storing warp waits until TMA has read sO; the barrier first makes every
+        # warp wait for that, so a warp group with a short tile cannot overwrite rows that the
+        # previous tile's store has not read yet.
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         thr_copy_O = smem_copy_O.get_slice(tidx)
+        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
         cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)

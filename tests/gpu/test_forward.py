@@ -89,6 +89,19 @@ def test_fp32_inputs_raise_typed_error_before_writing():
     assert torch.all(out == 3.0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_long_sequences(family, head_dim, causal):
+    """Past dispatch.SHORT_SEQLEN_K keys the sm90 forward launches one CTA per tile instead of
+    persistent CTAs: a second kernel, checked here at an unaligned length on each side."""
+    torch.manual_seed(head_dim + causal)
+    sq, sk = 2047, 2113
+    q = randn(1, sq, 2, head_dim, dtype=torch.bfloat16)
+    k, v = randn(1, sk, 2, head_dim, dtype=torch.bfloat16), randn(1, sk, 2, head_dim, dtype=torch.bfloat16)
+    out, lse = run_forward(q, k, v, causal)
+    assert_forward_close(out, lse, q, k, v, causal)
+
+
 def test_one_compile_serves_every_length(family):
     from cute_flash import cache
 
