@@ -2,8 +2,10 @@
 
 FlashAttention-2 Algorithm 1, mapped onto Hopper:
 
-* One CTA computes one (tile_m x head_dim) block of O for one (batch, head).
-* Warp group 0 is the producer: one warp issues TMA loads of Q (once) and of K, V (one
+* A tile is one (tile_m x head_dim) block of O for one (batch, head). A CTA computes one tile,
+  or, persistent (`num_sms` > 0), tiles blockIdx.x, blockIdx.x + gridDim.x, ... with its
+  pipelines running on from tile to tile.
+* Warp group 0 is the producer: one warp issues TMA loads of Q (once per tile) and of K, V (one
   n_block at a time) into a `num_stages`-deep shared-memory ring guarded by mbarriers
   (`cutlass.pipeline.PipelineTmaAsync`). It gives most of its registers to the consumers
   (`setmaxnreg`).
@@ -16,8 +18,8 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
   that this fits in registers (see `convert_P`).
 * Inter-warp-group ping-pong: named barriers make the consumer warp groups take turns
   issuing GEMMs, so one group's softmax hides behind the other group's GEMMs.
-* Epilogue: O is normalized, written to smem (reusing the Q buffer) and stored by TMA, which
-  clips rows past seqlen_q; LSE is written straight from registers.
+* Epilogue: O is normalized, written to smem (its own buffer where it fits, else Q's) and
+  stored by TMA, which clips rows past seqlen_q; LSE is written straight from registers.
 
 K/V blocks are visited from the last one down, so the blocks that need masking (the
 seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
