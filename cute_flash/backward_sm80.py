@@ -108,7 +108,7 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     if deterministic:
         semaphore = torch.zeros(batch, nheads, num_m_blocks, dtype=torch.int32, device=device)
     else:
-        semaphore = torch.zeros(1, 1, 1, dtype=torch.int32, device=device)
+        semaphore = torch.empty(1, 1, 1, dtype=torch.int32, device=device)  # never read
     if gqa:
         dk_out = torch.empty(batch, seqlen_k, nheads, head_dim, dtype=f32, device=device)
         dv_out = torch.empty(batch, seqlen_k, nheads, head_dim, dtype=f32, device=device)

@@ -21,6 +21,17 @@ for case in "$@"; do
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
       --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section SchedulerStats \
       --section InstructionStats > "$OUT/ncu/$name.txt" 2>&1
+  # Stall reasons and instruction mix, one "kernel | metric | value" line each.
+  ncu --import "$OUT/ncu/$name.ncu-rep" --page raw --csv 2>/dev/null | python3 -c '
+import csv, re, sys
+rows = list(csv.reader(sys.stdin))
+head, want = rows[0], re.compile(r"smsp__average_warps_issue_stalled_\w+_per_issue_active\.ratio$|smsp__inst_executed\.sum$|sm__pipe_tensor_op_(hmma|gmma)_cycles_active\.avg\.pct_of_peak_sustained_active$|smsp__sass_inst_executed_op_\w+\.sum$|sm__inst_executed_pipe_\w+\.avg\.pct_of_peak_sustained_active$")
+name = head.index("Kernel Name")
+for r in rows[2:]:
+    for h, v in zip(head, r):
+        if want.search(h) and v not in ("", "0", "0.00"):
+            print(r[name][:60], "|", h, "|", v)
+' > "$OUT/ncu/$name.raw.txt"
   echo "$name: $(grep -cE '^  [A-Za-z_]' "$OUT/ncu/$name.txt") kernels, $(grep -E 'Duration' "$OUT/ncu/$name.txt" | tr -s ' ' | tr '\n' ';')" \
     | tee -a "$OUT/ncu-summary.txt"
 done

@@ -72,6 +72,7 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, capsys):
     assert pre.spill_bytes == 0 and post.spill_bytes == 0
     assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
     assert "ld.global.b32" in post.ptx  # the workspace is read back one float per thread, coalesced
+    assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
 
 
 def test_tiles_fit_and_cover_every_head_dim():
