@@ -46,9 +46,12 @@ def _save_for_backward(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.softmax_scale, ctx.causal = softmax_scale, causal
     ctx.mark_non_differentiable(lse)  # returned for inspection; no gradient flows through it
+    ctx.set_materialize_grads(False)  # lse's gradient would otherwise be a zero-filled tensor
 
 
 def _backward(ctx, dout, _dlse):
+    if dout is None:  # only lse reached the loss, and lse has no gradient
+        return None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
                                     torch.are_deterministic_algorithms_enabled())

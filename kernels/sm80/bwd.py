@@ -110,8 +110,12 @@ class FlashAttnBwdSm80:
             wide = d % 64 == 0
             tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
                          atom_m_dq=2 if wide else 4)
-        # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills.
-        stage_options = ((2, 1), (1, 1)) if 64 < d <= 128 else ((2, 2), (2, 1), (1, 1))
+        # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills; at
+        # d <= 64 without causal masking one dO buffer measured 1-2% faster on the H100.
+        if 64 < d <= 128 or (d <= 64 and not causal):
+            stage_options = ((2, 1), (1, 1))
+        else:
+            stage_options = ((2, 2), (2, 1), (1, 1))
         for stages_Q, stages_dO in stage_options:
             tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
             if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= SMEM_CAPACITY_SM80:
