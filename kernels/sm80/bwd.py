@@ -186,12 +186,15 @@ class FlashAttnBwdSm80:
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, self.num_threads,
             cute.size(atom_qk.outer.shape[1]),
         )
+        gmem_store = gmem_tiled_copy(
+            cute.nvgpu.CopyUniversalOp(), self.dtype, self.num_threads, cute.size(atom_qk.outer.shape[1])
+        )
 
         grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
             softmax_scale, softmax_scale * LOG2_E,
-            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_copy,
+            sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_copy, gmem_store,
             *[tiled_mma_sm80(self.dtype, self.num_threads, atom_m)
               for atom_m in (self.atom_m_sdp, self.atom_n_dkv, self.atom_m_dq)],
             SharedStorage,
@@ -218,6 +221,7 @@ class FlashAttnBwdSm80:
         sKV_layout: cute.ComposedLayout,
         sPdS_layout: cute.ComposedLayout,
         gmem_tiled_copy: cute.TiledCopy,
+        gmem_store: cute.TiledCopy,
         tiled_mma_sdp: cute.TiledMma,
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
@@ -417,9 +421,16 @@ class FlashAttnBwdSm80:
 
         # ---------------------------------------------------------------- epilogue: dK_j, dV_j
         acc_dK.store(acc_dK.load() * softmax_scale)
-        for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
-            gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
-            store_acc(acc, gX, tiled_mma_dkv, seqlen_k - n_block * n, self.head_dim, tidx)
+        if cutlass.const_expr(mdK.element_type == self.dtype):
+            # K and V are no longer read: their smem stages dK and dV for 16-byte stores.
+            cute.arch.barrier()
+            for acc, mX, sX in ((acc_dK, mdK, sK), (acc_dV, mdV, sV)):
+                gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
+                store_acc_via_smem(acc, sX, gX, tiled_mma_dkv, gmem_store, seqlen_k - n_block * n, self.head_dim, tidx)
+        else:  # fp32 per-query-head dK/dV of grouped-query attention: straight from registers
+            for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
+                gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
+                store_acc(acc, gX, tiled_mma_dkv, seqlen_k - n_block * n, self.head_dim, tidx)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -483,6 +494,32 @@ def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
         atoms,
         permutation_mnk=(atoms[0] * 16, atoms[1] * 16, 16),
     )
+
+
+@cute.jit
+def store_acc_via_smem(acc: cute.Tensor, sX: cute.Tensor, gX: cute.Tensor, tiled_mma: cute.TiledMma,
+                       s2g: cute.TiledCopy, rows_left: Int32, head_dim: cutlass.Constexpr[int], tidx: Int32):
+    """An fp32 accumulator tile -> gX (16-bit) through the swizzled smem tile sX: pairs of
+    elements into smem in the accumulator layout, then 16-byte vectors out (the accumulator
+    layout alone allows only 4-byte global stores). The caller makes sure no thread still reads
+    sX; rows at or past `rows_left` and columns past `head_dim` are not written."""
+    rX = cute.make_fragment_like(acc, sX.element_type)
+    rX.store(acc.load().to(sX.element_type))
+    r2s = cute.make_tiled_copy_C(
+        cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), sX.element_type, num_bits_per_copy=2 * sX.element_type.width),
+        tiled_mma,
+    ).get_slice(tidx)
+    cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
+    cute.arch.barrier()
+    thr_s2g = s2g.get_slice(tidx)
+    tXsX = thr_s2g.partition_S(sX)
+    tXgX = thr_s2g.partition_D(gX)
+    tXcX = thr_s2g.partition_S(cute.make_identity_tensor(gX.shape))
+    for r in cutlass.range_constexpr(cute.size(tXsX.shape[1])):
+        for c in cutlass.range_constexpr(cute.size(tXsX.shape[2])):
+            coord = tXcX[0, r, c]
+            if coord[0] < rows_left and coord[1] < head_dim:
+                cute.copy(s2g, tXsX[None, r, c], tXgX[None, r, c])
 
 
 @cute.jit

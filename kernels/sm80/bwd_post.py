@@ -18,7 +18,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import gmem_tiled_copy, round_up, smem_layout_atom
-from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, tiled_mma_sm80
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, store_acc_via_smem, tiled_mma_sm80
 
 
 class FlashAttnBwdPostprocessSm80:
@@ -38,10 +38,6 @@ class FlashAttnBwdPostprocessSm80:
         atom = smem_layout_atom(self.dtype, d)
         sdQ_layout = cute.tile_to_shape(atom, (m, d), (0, 1))
         tiled_mma = tiled_mma_sm80(self.dtype, self.num_threads, self.atom_m_dq)
-        r2s = cute.make_tiled_copy_C(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
-            tiled_mma,
-        )
         s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dtype, self.num_threads, cute.size(atom.outer.shape[1]))
 
         @cute.struct
@@ -49,13 +45,13 @@ class FlashAttnBwdPostprocessSm80:
             sdQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdQ_layout)], 1024]
 
         grid = (cute.ceil_div(mdQ.shape[1], m), mdQ.shape[2], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, softmax_scale, tiled_mma, r2s, s2g, sdQ_layout, SharedStorage).launch(
+        self.kernel(mdQaccum, mdQ, softmax_scale, tiled_mma, s2g, sdQ_layout, SharedStorage).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, tiled_mma: cute.TiledMma,
-               r2s: cute.TiledCopy, s2g: cute.TiledCopy, sdQ_layout: cute.ComposedLayout,
+               s2g: cute.TiledCopy, sdQ_layout: cute.ComposedLayout,
                SharedStorage: cutlass.Constexpr):
         m, d = self.m_block_size, self.head_dim_padded
         tidx, _, _ = cute.arch.thread_idx()
@@ -64,23 +60,8 @@ class FlashAttnBwdPostprocessSm80:
         gAcc = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (m_block,))
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = gAcc[i * self.num_threads + tidx] * softmax_scale
-        rdQ = cute.make_fragment_like(acc, self.dtype)
-        rdQ.store(acc.load().to(self.dtype))
 
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)
-        thr_r2s = r2s.get_slice(tidx)
-        cute.copy(r2s, thr_r2s.retile(rdQ), thr_r2s.partition_D(sdQ))
-        cute.arch.barrier()
-
         gdQ = cute.local_tile(mdQ[batch, None, head, None], (m, d), (m_block, 0))
-        thr_s2g = s2g.get_slice(tidx)
-        tQsQ = thr_s2g.partition_S(sdQ)
-        tQgQ = thr_s2g.partition_D(gdQ)
-        tQcQ = thr_s2g.partition_S(cute.make_identity_tensor((m, d)))
-        rows_left = mdQ.shape[1] - m_block * m
-        for r in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
-            for c in cutlass.range_constexpr(cute.size(tQsQ.shape[2])):
-                coord = tQcQ[0, r, c]
-                if coord[0] < rows_left and coord[1] < self.head_dim:
-                    cute.copy(s2g, tQsQ[None, r, c], tQgQ[None, r, c])
+        store_acc_via_smem(acc, storage.sdQ.get_tensor(sdQ_layout), gdQ, tiled_mma, s2g,
+                           mdQ.shape[1] - m_block * m, self.head_dim, tidx)
