@@ -14,7 +14,7 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
   O += P V (wgmma with P straight from registers).
 * Intra-warp-group overlap: the S GEMM of the next K/V block is issued together with the PV
   GEMM of the current one, and the softmax of the next block runs while that PV GEMM does.
-  Causal-masked blocks overlap too (`overlap_masked`); P's conversion is pinned in place so
+  Causal-masked blocks overlap too; P's conversion is pinned in place so
   that this fits in registers (see `convert_P`).
 * Inter-warp-group ping-pong: named barriers make the consumer warp groups take turns
   issuing GEMMs, so one group's softmax hides behind the other group's GEMMs.
@@ -72,7 +72,6 @@ class FlashAttnFwdSm90:
         intra_wg_overlap: bool = True,
         pingpong: bool = True,
         lpt: str = "l2",
-        overlap_masked: bool = True,
         num_sms: int = 0,
     ):
         assert FlashAttnFwdSm90.can_implement(
@@ -85,9 +84,6 @@ class FlashAttnFwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
-        # False: causal-masked blocks wait for the previous PV GEMM before masking (no overlap on
-        # the diagonal). Kept to A/B the overlap on the GPU.
-        self.overlap_masked = overlap_masked
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
         self.lpt = lpt if causal else "none"
@@ -245,7 +241,7 @@ class FlashAttnFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 0], 1024
             ]
 
-        num_tiles = cute.ceil_div(mQ.shape[0], self.tile_m) * mQ.shape[2] * mQ.shape[3]
+        num_tiles = self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
         grid_x = num_tiles
         if const_expr(self.num_sms > 0):
             grid_x = cutlass.min(num_tiles, self.num_sms)
@@ -560,10 +556,7 @@ class FlashAttnFwdSm90:
         c.pipeline_v.consumer_wait(kv_state_v)
         self.gemm_pv(c, kv_state_v.index)
         self.sched_signal(c.wg_idx)
-        if const_expr(mask_causal and not self.overlap_masked):
-            warpgroup.wait_group(0)
-        else:
-            warpgroup.wait_group(1)
+        warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
