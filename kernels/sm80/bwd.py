@@ -8,7 +8,8 @@ the saved log-sum-exp instead of storing anything of size seqlen_q x seqlen_k:
     P   = exp2(S * scale * log2(e) - LSE_i * log2(e))
     dV_j += P^T dO_i
     dP  = dO_i V_j^T
-    dS  = P * (dP - D_i)                    D_i = rowsum(dO_i * O_i), from the preprocess kernel
+    dS  = P * (dP - D_i)                    D_i = rowsum(dO_i * O_i), from the preprocess kernel;
+                                            a 16-bit product of 16-bit P and dP - D_i
     dK_j += dS^T Q_i
     dQ_i += dS K_j                          fp32 atomics into a workspace (postprocess scales it)
 
@@ -33,6 +34,8 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_flash.kernels.common.blocks import BlockRanges
@@ -62,6 +65,19 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
             cute.copy(s2r_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
             cute.copy(s2r_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
+
+
+@dsl_user_op
+def mul_16bit_x2(a: Int32, b: Int32, dtype, *, loc=None, ip=None) -> Int32:
+    """a * b on two packed fp16/bf16 pairs (sm_80 has no bf16x2 mul: fma with -0)."""
+    pair = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return Int32(llvm.inline_asm(
+        T.i32(),
+        [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"{{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.{pair} $0, $1, $2, z; }}",
+        "=r,r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 class FlashAttnBwdSm80:
@@ -360,29 +376,34 @@ class FlashAttnBwdSm80:
                 acc_S = cute.make_rmem_tensor(acc_shape_SdP, Float32)
                 acc_S.fill(0.0)
                 gemm_smem(tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage_q], tSsK, s2r_sdp_A, s2r_sdp_B)
-                # dP = dO_i V_j^T
-                acc_dP = cute.make_rmem_tensor(acc_shape_SdP, Float32)
-                acc_dP.fill(0.0)
-                gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage_do], tdPsV, s2r_sdp_A, s2r_sdp_B)
-
-                acc_S_mn = reshape_acc_to_mn(acc_S)
-                acc_dP_mn = reshape_acc_to_mn(acc_dP)
                 if last_n_block_partial or m_block < m_block_max_mask:
                     apply_mask(acc_S, thr_mma_sdp, m, n, m_block, n_block, seqlen_q, seqlen_k,
                                mask_seqlen=True, mask_causal=self.causal, branchless=False)
+                acc_S_mn = reshape_acc_to_mn(acc_S)
                 for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    row = tScS_mn[r, 0][0]
-                    lse_log2 = sLSE[row, stage_q]
-                    dpsum = sdPsum[row, stage_do]
-                    p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2, fastmath=True)
-                    acc_S_mn[r, None].store(p)
-                    acc_dP_mn[r, None].store(p * (acc_dP_mn[r, None].load() - dpsum))
-
+                    lse_log2 = sLSE[tScS_mn[r, 0][0], stage_q]
+                    acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2, fastmath=True))
+                # P goes to smem before the dP GEMM and dS reads it back from there, so no form of
+                # P is live across that GEMM (fp32 P there made d128 spill at 255 registers).
                 rP = cute.make_fragment_like(acc_S, self.dtype)
                 rP.store(acc_S.load().to(self.dtype))
+                cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+
+                # dP = dO_i V_j^T, then dS = P * (dP - D) in 16-bit pairs: P and dP - D rounded
+                # to the input dtype, their product rounded once more (what dS is stored in).
+                acc_dP = cute.make_rmem_tensor(acc_shape_SdP, Float32)
+                acc_dP.fill(0.0)
+                gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage_do], tdPsV, s2r_sdp_A, s2r_sdp_B)
+                acc_dP_mn = reshape_acc_to_mn(acc_dP)
+                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                    acc_dP_mn[r, None].store(acc_dP_mn[r, None].load() - sdPsum[tScS_mn[r, 0][0], stage_do])
                 rdS = cute.make_fragment_like(acc_dP, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+                cute.copy(r2s_PdS, tPsP, r2s_PdS.retile(rP))  # this thread's own stores: no barrier
+                tSrP_pairs, tSrdS_pairs = [cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32), cute.make_layout(cute.size(t) // 2))
+                                           for t in (rP, rdS)]
+                for i in cutlass.range_constexpr(cute.size(tSrdS_pairs)):
+                    tSrdS_pairs[i] = mul_16bit_x2(tSrP_pairs[i], tSrdS_pairs[i], self.dtype)
                 cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)
                 cute.arch.barrier()
 
