@@ -114,7 +114,7 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     for cls in _forward_classes(kernel_family(capability)):
         tiles = cls.default_tiles(cdtype, head_dim, causal)
         if hasattr(cls, "length_config"):
-            tiles.update(cls.length_config(head_dim, short, sm_count() if num_sms is None else num_sms))
+            tiles.update(cls.length_config(head_dim, causal, short, sm_count() if num_sms is None else num_sms))
         if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
             fake = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(), cutlass.Float32(1.0), fake_stream())

@@ -141,25 +141,34 @@ class FlashAttnFwdSm90:
         # gains 4% from a third K/V stage, which still fits in 227 KB of smem, and loses 2-15% with
         # wider blocks (144-176 columns, two stages).
         if head_dim <= 64:
-            return dict(tile_m=192, tile_n=128, num_stages=2)
-        if head_dim <= 96:
-            return dict(tile_m=128, tile_n=128, num_stages=2)
-        if head_dim <= 128:
-            return dict(tile_m=128, tile_n=128, num_stages=3)
-        if head_dim <= 192:
-            return dict(tile_m=128, tile_n=112, num_stages=2)
-        return dict(tile_m=128, tile_n=80, num_stages=2)
+            tiles = dict(tile_m=192, tile_n=128, num_stages=2)
+        elif head_dim <= 96:
+            tiles = dict(tile_m=128, tile_n=128, num_stages=2)
+        elif head_dim <= 128:
+            tiles = dict(tile_m=128, tile_n=128, num_stages=3)
+        elif head_dim <= 192:
+            tiles = dict(tile_m=128, tile_n=112, num_stages=2)
+        else:
+            tiles = dict(tile_m=128, tile_n=80, num_stages=2)
+        if causal:
+            # Causal tile order, measured on the H100 (bf16, 512-16k, perf/NOTES.md): longest tile
+            # first within each head beats longest first within L2-sized head groups by 7-20% at
+            # d128/d256 up to 8k (equal at 2k and 16k), while d64's 192-row tiles lose 5-8% with it.
+            tiles["lpt"] = "l2" if head_dim <= 64 else "head"
+        return tiles
 
     @staticmethod
-    def length_config(head_dim: int, short: bool, num_sms: int) -> dict:
+    def length_config(head_dim: int, causal: bool, short: bool, num_sms: int) -> dict:
         """Init arguments for a length bucket (`short`: seqlen_k <= dispatch.SHORT_SEQLEN_K).
 
         Measured on the H100 (bf16, perf/NOTES.md): persistent CTAs are 5-24% faster at seqlen
         512-2048 for head dims up to 128, where a tile is only a few K/V blocks and the next
         tile's loads hide behind this one's epilogue; at 8k they are 6-10% slower than one CTA
         per tile. d128 then prefers two K/V stages, which leave room for O's own smem buffer.
+        Causal d128 is the exception: one CTA per tile in per-head longest-first order (see
+        default_tiles) matches or beats the persistent kernel there (268 vs 261 TFLOP/s at 512).
         """
-        if not short or head_dim > 128:
+        if not short or head_dim > 128 or (causal and head_dim > 64):
             return {}
         config = dict(num_sms=num_sms)
         if head_dim > 96:
