@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import gzip
 import json
 import os
 import platform
@@ -237,7 +238,11 @@ def write(doc: dict, out_dir: Path, path: Path | None = None) -> Path:
 
 
 def load(path: Path) -> dict:
-    doc = json.loads(Path(path).read_text())
+    """A result file, plain (`.json`) or gzip-compressed (`.json.gz`, how older runs are kept in
+    the repository: the GPU machine receives the whole tree and its size is capped)."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    doc = json.loads(text)
     validate(doc)
     doc["_path"] = str(path)
     return doc
@@ -246,7 +251,7 @@ def load(path: Path) -> dict:
 def load_dir(directory: Path) -> tuple[list[dict], list[str]]:
     """All readable result files in `directory`, and a note for each file that was skipped."""
     docs, skipped = [], []
-    for path in sorted(Path(directory).glob("*.json")):
+    for path in sorted([*Path(directory).glob("*.json"), *Path(directory).glob("*.json.gz")]):
         try:
             docs.append(load(path))
         except (ValueError, KeyError, json.JSONDecodeError) as exc:

@@ -292,6 +292,18 @@ def test_json_round_trip_and_file_name(tmp_path):
     assert results.write(doc, tmp_path).name.endswith("-2.json")
 
 
+def test_compressed_result_files_load_like_plain_ones(tmp_path):
+    import gzip
+
+    plain = results.write(fake_doc(), tmp_path)
+    packed = plain.with_name(plain.name + ".gz")
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+    docs, skipped = results.load_dir(tmp_path)
+    assert skipped == [] and len(docs) == 1 and docs[0]["_path"] == str(packed)
+    assert docs[0]["measurements"] == fake_doc()["measurements"]
+
+
 def test_schema_rejects_incomplete_documents(tmp_path):
     doc = fake_doc()
     del doc["roofline"]
