@@ -73,6 +73,7 @@ class FlashAttnFwdSm90:
         pingpong: bool = True,
         lpt: str = "l2",
         num_sms: int = 0,
+        rescale_o_early: bool | None = None,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
@@ -84,6 +85,13 @@ class FlashAttnFwdSm90:
         self.tile_n = tile_n
         self.num_stages = num_stages
         self.intra_wg_overlap = intra_wg_overlap
+        # With the overlap, O's rescale by the previous block's row factors can run while this
+        # block's S GEMM is in flight, right before the PV GEMM that needs it, instead of after
+        # the softmax, where it delays the next S GEMM. Worth it when O is large (d > 128: 64+
+        # multiplies per thread).
+        if rescale_o_early is None:
+            rescale_o_early = head_dim > 128
+        self.rescale_o_early = rescale_o_early and intra_wg_overlap
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
         self.lpt = lpt if causal else "none"
@@ -151,9 +159,10 @@ class FlashAttnFwdSm90:
         else:
             tiles = dict(tile_m=128, tile_n=80, num_stages=2)
         if causal:
-            # Causal tile order, measured on the H100 (bf16, 512-16k, perf/NOTES.md): longest tile
-            # first within each head beats longest first within L2-sized head groups by 7-20% at
-            # d128/d256 up to 8k (equal at 2k and 16k), while d64's 192-row tiles lose 5-8% with it.
+            # Causal tile order, measured on the H100 (bf16, 512-16k, docs/kernels/sm90-forward.md):
+            # longest tile first within each head beats longest first within L2-sized head groups
+            # at d128 (+19%/+11% at 512/1k, equal at 2k-8k, +6% at 16k) and d256 (+4-20% up to 8k),
+            # while d64's 192-row tiles lose 2-8% with it from 2k on.
             tiles["lpt"] = "l2" if head_dim <= 64 else "head"
         return tiles
 
@@ -167,12 +176,16 @@ class FlashAttnFwdSm90:
         per tile. d128 then prefers two K/V stages, which leave room for O's own smem buffer.
         Causal d128 is the exception: one CTA per tile in per-head longest-first order (see
         default_tiles) matches or beats the persistent kernel there (268 vs 261 TFLOP/s at 512).
+        Causal d64 switches to 128 x 128 tiles, which waste less of the diagonal block: +8% at 512
+        and +9% at 1k, -3% at 2k against 192 x 128 (non-causal: -2% at 1k, -11% at 2k, so not there).
         """
         if not short or head_dim > 128 or (causal and head_dim > 64):
             return {}
         config = dict(num_sms=num_sms)
         if head_dim > 96:
             config["num_stages"] = 2
+        if causal:
+            config.update(tile_m=128, tile_n=128)
         return config
 
     # ------------------------------------------------------------------ host entry
@@ -455,6 +468,8 @@ class FlashAttnFwdSm90:
         softmax = OnlineSoftmax.create(
             softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0])
         )
+        # The factor O still owes the last softmax when O is rescaled early (rescale_o_early).
+        row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
 
         tOcO_mn = reshape_acc_to_mn(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         smem_copy_O = cute.make_tiled_copy_C(
@@ -483,7 +498,7 @@ class FlashAttnFwdSm90:
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-                seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale,
             )
             if n_block_max > 0:
                 pipeline_q.consumer_wait(q_state)
@@ -516,13 +531,15 @@ class FlashAttnFwdSm90:
             warpgroup.wait_group(0)
             c.pipeline_k.consumer_release(kv_state)
             self.mask(c, n_block_max - 1, True, self.causal)
-            c.softmax.online_softmax(c.acc_S, is_first=True)
+            c.row_scale.store(c.softmax.online_softmax(c.acc_S, is_first=True).load())
             self.convert_P(c)
             if const_expr(self.causal):
                 for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
                     kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
             for i in cutlass.range(n_block_unmasked, unroll=1):
                 kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
+            if const_expr(self.rescale_o_early):
+                c.softmax.rescale_O(c.acc_O, c.row_scale)
             c.pipeline_v.consumer_wait(kv_state)
             self.gemm_pv(c, kv_state.index)
             warpgroup.wait_group(0)
@@ -562,6 +579,8 @@ class FlashAttnFwdSm90:
         c.pipeline_k.consumer_wait(kv_state)
         self.sched_wait(c.wg_idx)
         self.gemm_qk(c, kv_state.index)
+        if const_expr(self.rescale_o_early):
+            c.softmax.rescale_O(c.acc_O, c.row_scale)
         c.pipeline_v.consumer_wait(kv_state_v)
         self.gemm_pv(c, kv_state_v.index)
         self.sched_signal(c.wg_idx)
@@ -573,7 +592,10 @@ class FlashAttnFwdSm90:
         warpgroup.wait_group(0)
         c.pipeline_v.consumer_release(kv_state_v)
         self.convert_P(c)
-        c.softmax.rescale_O(c.acc_O, row_scale)
+        if const_expr(self.rescale_o_early):
+            c.row_scale.store(row_scale.load())
+        else:
+            c.softmax.rescale_O(c.acc_O, row_scale)
         return kv_state
 
     @cute.jit
