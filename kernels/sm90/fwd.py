@@ -87,10 +87,10 @@ class FlashAttnFwdSm90:
         self.intra_wg_overlap = intra_wg_overlap
         # With the overlap, O's rescale by the previous block's row factors can run while this
         # block's S GEMM is in flight, right before the PV GEMM that needs it, instead of after
-        # the softmax, where it delays the next S GEMM. Worth it when O is large (d > 128: 64+
-        # multiplies per thread).
+        # the softmax, where it delays the next S GEMM. Measured (interleaved A/B on the H100):
+        # d256 +2-7%, d128 causal +1-3% (non-causal within ±2%), d192 within ±2%.
         if rescale_o_early is None:
-            rescale_o_early = head_dim > 128
+            rescale_o_early = head_dim >= 128
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
