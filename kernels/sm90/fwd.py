@@ -170,19 +170,20 @@ class FlashAttnFwdSm90:
     def length_config(head_dim: int, causal: bool, short: bool, num_sms: int) -> dict:
         """Init arguments for a length bucket (`short`: seqlen_k <= dispatch.SHORT_SEQLEN_K).
 
-        Measured on the H100 (bf16, perf/NOTES.md): persistent CTAs are 5-24% faster at seqlen
-        512-2048 for head dims up to 128, where a tile is only a few K/V blocks and the next
-        tile's loads hide behind this one's epilogue; at 8k they are 6-10% slower than one CTA
-        per tile. d128 then prefers two K/V stages, which leave room for O's own smem buffer.
-        Causal d128 is the exception: one CTA per tile in per-head longest-first order (see
-        default_tiles) matches or beats the persistent kernel there (268 vs 261 TFLOP/s at 512).
-        Causal d64 switches to 128 x 128 tiles, which waste less of the diagonal block: +8% at 512
-        and +9% at 1k, -3% at 2k against 192 x 128 (non-causal: -2% at 1k, -11% at 2k, so not there).
+        Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md): persistent CTAs
+        are 5-24% faster at seqlen 512-2048 for head dims up to 128, where a tile is only a few K/V
+        blocks and the next tile's loads hide behind this one's epilogue, and 0-4% at d192/d256;
+        at 8k they are 6-10% slower than one CTA per tile. d128 then prefers two K/V stages, which
+        leave room for O's own smem buffer. Causal d > 64 stays one CTA per tile: its per-head
+        longest-first order (default_tiles) matches or beats the persistent kernel at d128 (268 vs
+        261 TFLOP/s at 512) and the persistent one loses 25-30% at d192/d256. Causal d64 switches
+        to 128 x 128 tiles, which waste less of the diagonal block: +8% at 512 and +9% at 1k, -3%
+        at 2k against 192 x 128 (non-causal: -2% at 1k, -11% at 2k, so not there).
         """
-        if not short or head_dim > 128 or (causal and head_dim > 64):
+        if not short or (causal and head_dim > 64):
             return {}
         config = dict(num_sms=num_sms)
-        if head_dim > 96:
+        if 96 < head_dim <= 128:
             config["num_stages"] = 2
         if causal:
             config.update(tile_m=128, tile_n=128)
