@@ -172,20 +172,19 @@ class FlashAttnFwdSm90:
 
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md): persistent CTAs
         are 5-24% faster at seqlen 512-2048 for head dims up to 128, where a tile is only a few K/V
-        blocks and the next tile's loads hide behind this one's epilogue, and 0-4% at d192/d256;
-        at 8k they are 6-10% slower than one CTA per tile. d128 then prefers two K/V stages, which
-        leave room for O's own smem buffer. Causal d > 64 stays one CTA per tile: its per-head
-        longest-first order (default_tiles) matches or beats the persistent kernel at d128 (268 vs
-        261 TFLOP/s at 512) and the persistent one loses 25-30% at d192/d256. Causal d64 switches
-        to 128 x 128 tiles, which waste less of the diagonal block: +8% at 512 and +9% at 1k, -3%
-        at 2k against 192 x 128 (non-causal: -2% at 1k, -11% at 2k, so not there).
+        blocks and the next tile's loads hide behind this one's epilogue, and 0-4% at d192/d256
+        (causal, with the snake walk of tile_of_round: d128 +13-18%, d256 +1-8%); at 8k they are
+        6-10% slower than one CTA per tile. d128 then prefers two K/V stages, which leave room for
+        O's own smem buffer. Causal d64 switches to 128 x 128 tiles, which waste less of the
+        diagonal block: +8% at 512 and +9% at 1k, -3% at 2k against 192 x 128 (non-causal: -2% at
+        1k, -11% at 2k, so not there).
         """
-        if not short or (causal and head_dim > 64):
+        if not short:
             return {}
         config = dict(num_sms=num_sms)
         if 96 < head_dim <= 128:
             config["num_stages"] = 2
-        if causal:
+        if causal and head_dim <= 64:
             config.update(tile_m=128, tile_n=128)
         return config
 
@@ -379,6 +378,23 @@ class FlashAttnFwdSm90:
             head = hb - batch * num_heads
         return m_block, head, batch
 
+    @cute.jit
+    def tile_of_round(self, round_idx: Int32) -> Int32:
+        """This CTA's tile index in round `round_idx` of a persistent walk (one CTA per tile: round
+        0 only). With the per-head causal order, odd rounds run backwards (a snake), so a CTA
+        that got one of a round's first, longest tiles gets one of the next round's last,
+        shortest: with a grid that is a multiple of the m_blocks per head, a plain stride hands
+        each CTA the same m_block every round (measured: d64 causal 2k 245 vs 384 TFLOP/s). The
+        "l2" order is longest first across the whole grid already; the plain stride keeps that
+        (the snake measured 2-3% slower there).
+        """
+        cta, grid = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        lane = cta
+        if const_expr(self.lpt == "head"):
+            if round_idx % 2 == 1:
+                lane = grid - 1 - cta
+        return round_idx * grid + lane
+
     def num_tiles(self, seqlen_q, num_heads, num_batch):
         return cute.ceil_div(seqlen_q, self.tile_m) * num_heads * num_batch
 
@@ -394,7 +410,8 @@ class FlashAttnFwdSm90:
         no_mcast = cute.make_layout(1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        tile = cute.arch.block_idx()[0]
+        round_idx = Int32(0)
+        tile = self.tile_of_round(round_idx)
         while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
             m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
             head_kv = head // (num_heads // mK.shape[2])
@@ -438,7 +455,8 @@ class FlashAttnFwdSm90:
                         load_K(n_block, kv_state)
                         load_V(n_block, kv_state)
                 kv_state.advance()
-            tile += cute.arch.grid_dim()[0]
+            round_idx += 1
+            tile = self.tile_of_round(round_idx)
 
     def load_block(self, tma_atom, tXgX, tXsX, pipe, n_block, state):
         pipe.producer_acquire(state)
@@ -489,7 +507,8 @@ class FlashAttnFwdSm90:
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        tile = cute.arch.block_idx()[0]
+        round_idx = Int32(0)
+        tile = self.tile_of_round(round_idx)
         while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
             m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
             _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
@@ -515,7 +534,8 @@ class FlashAttnFwdSm90:
                     # O went out through Q's buffer; the epilogue waited until TMA had read it.
                     pipeline_q.consumer_release(q_state)
                 q_state.advance()
-            tile += cute.arch.grid_dim()[0]
+            round_idx += 1
+            tile = self.tile_of_round(round_idx)
 
     @cute.jit
     def mainloop(self, c, kv_state, n_block_max, block_ranges):

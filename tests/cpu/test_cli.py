@@ -20,12 +20,12 @@ def test_check_reports_resources_and_instructions(capsys, arch, family, instruct
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [line for line in out.splitlines() if line.startswith("fwd/")]
-    # causal and not; the sm90 family also launches short non-causal sequences persistently
-    # (another kernel; causal d128 uses one kernel for every length)
-    expected = 3 if family == "sm90" else 2
+    # causal and not; the sm90 family also launches short sequences persistently (another kernel)
+    expected = 4 if family == "sm90" else 2
     assert len(rows) == expected and all(f"fwd/{family}/bfloat16/d128" in r for r in rows)
-    assert [r.split()[0] for r in rows if "/short" in r] == (
-        ["fwd/sm90/bfloat16/d128/full/short"] if family == "sm90" else [])
+    assert sorted(r.split()[0] for r in rows if "/short" in r) == (
+        ["fwd/sm90/bfloat16/d128/causal/short", "fwd/sm90/bfloat16/d128/full/short"]
+        if family == "sm90" else [])
     for row in rows:
         assert all(f"{ins}=" in row and f"{ins}=0" not in row for ins in instructions), row
         assert "FAIL" not in row
