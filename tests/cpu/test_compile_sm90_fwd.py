@@ -26,7 +26,7 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2)),
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=176, num_stages=2)),
     # The short-sequence causal d64 kernel (length_config), and O rescaled early at d192.
-    (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2)),
+    (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head")),
     (cutlass.Float16, 192, False, None),
 ]
 
