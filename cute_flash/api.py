@@ -125,7 +125,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
-        short = problem.seqlen_k <= dispatch.SHORT_SEQLEN_K
+        short = dispatch.is_short(problem.seqlen_k, bool(causal))
         compiled = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), short)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)

@@ -101,14 +101,20 @@ def _forward_classes(family: str):
 
 
 # Problems with at most this many keys are "short": kernels may pick other launch settings for
-# them (FlashAttnFwdSm90.length_config). The only way lengths reach a compile key.
+# them (FlashAttnFwdSm90.length_config). The only way lengths reach a compile key. Causal problems
+# stay short for longer: the persistent causal kernel still gains 2-9% at 4k keys (perf/NOTES.md).
 SHORT_SEQLEN_K = 2048
+SHORT_SEQLEN_K_CAUSAL = 4096
+
+
+def is_short(seqlen_k: int, causal: bool) -> bool:
+    return seqlen_k <= (SHORT_SEQLEN_K_CAUSAL if causal else SHORT_SEQLEN_K)
 
 
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                  short: bool = False, num_sms: int | None = None) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `short`
-    (seqlen_k <= SHORT_SEQLEN_K); persistent kernels are sized to `num_sms` (default: the
+    (is_short); persistent kernels are sized to `num_sms` (default: the
     current GPU's, see sm_count)."""
     cdtype = cutlass_dtype(dtype)
     for cls in _forward_classes(kernel_family(capability)):

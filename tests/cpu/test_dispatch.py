@@ -45,3 +45,12 @@ def test_sm90_serves_its_head_dims_and_sm80_the_rest(monkeypatch):
     for head_dim in (8, 40, 72):
         assert dispatch.plan_forward((9, 0), torch.float16, head_dim, False).kernel_cls.__name__ == "FlashAttnFwdSm80"
     assert dispatch.plan_forward((8, 0), torch.float16, 128, False).kernel_cls.__name__ == "FlashAttnFwdSm80"
+
+
+def test_length_buckets_reach_the_sm90_launch_settings():
+    assert dispatch.is_short(2048, False) and not dispatch.is_short(2049, False)
+    assert dispatch.is_short(4096, True) and not dispatch.is_short(4097, True)
+    short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, short=True, num_sms=132).init_kwargs)
+    long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, short=False, num_sms=132).init_kwargs)
+    assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
+    assert long.get("num_sms", 0) == 0 and long["num_stages"] == 3

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import cute_flash
+from cute_flash import dispatch
 
 from .common import assert_forward_close, randn
 
@@ -92,10 +93,12 @@ def test_fp32_inputs_raise_typed_error_before_writing():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_long_sequences(family, head_dim, causal):
-    """Past dispatch.SHORT_SEQLEN_K keys the sm90 forward launches one CTA per tile instead of
-    persistent CTAs: a second kernel, checked here at an unaligned length on each side."""
+    """Past the short bucket (dispatch.is_short: 2048 keys, 4096 when causal) the sm90 forward
+    launches one CTA per tile instead of persistent CTAs: a second kernel, checked here at an
+    unaligned length on each side."""
     torch.manual_seed(head_dim + causal)
-    sq, sk = 2047, 2113
+    sq, sk = (4095, 4177) if causal else (2047, 2113)
+    assert not dispatch.is_short(sk, causal) and dispatch.is_short(sq, causal)
     q = randn(1, sq, 2, head_dim, dtype=torch.bfloat16)
     k, v = randn(1, sk, 2, head_dim, dtype=torch.bfloat16), randn(1, sk, 2, head_dim, dtype=torch.bfloat16)
     out, lse = run_forward(q, k, v, causal)
