@@ -168,7 +168,7 @@ class FlashAttnFwdSm90:
 
     @staticmethod
     def length_config(head_dim: int, causal: bool, short: bool, num_sms: int) -> dict:
-        """Init arguments for a length bucket (`short`: seqlen_k <= dispatch.SHORT_SEQLEN_K).
+        """Init arguments for a length bucket (`short`: dispatch.is_short, 2048 keys or 4096 causal).
 
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md): persistent CTAs
         are 5-24% faster at seqlen 512-2048 for head dims up to 128, where a tile is only a few K/V
@@ -554,7 +554,8 @@ class FlashAttnFwdSm90:
             warpgroup.wait_group(0)
             c.pipeline_k.consumer_release(kv_state)
             self.mask(c, n_block_max - 1, True, self.causal)
-            c.row_scale.store(c.softmax.online_softmax(c.acc_S, is_first=True).load())
+            c.softmax.online_softmax(c.acc_S, is_first=True)
+            c.row_scale.fill(1.0)  # O is still zero: nothing to rescale before the first PV GEMM
             self.convert_P(c)
             if const_expr(self.causal):
                 for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
