@@ -34,8 +34,6 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_flash.kernels.common.blocks import BlockRanges
@@ -48,6 +46,7 @@ from cute_flash.kernels.common.layouts import (
 )
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
+from cute_flash.kernels.common.packed16 import as_int32_pairs, mul_16bit_x2
 
 SMEM_CAPACITY_SM80 = 163 * 1024
 
@@ -65,19 +64,6 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
             cute.copy(s2r_A, tCsA[None, None, k + 1], tCrA_view[None, None, k + 1])
             cute.copy(s2r_B, tCsB[None, None, k + 1], tCrB_view[None, None, k + 1])
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
-
-
-@dsl_user_op
-def mul_16bit_x2(a: Int32, b: Int32, dtype, *, loc=None, ip=None) -> Int32:
-    """a * b on two packed fp16/bf16 pairs (sm_80 has no bf16x2 mul: fma with -0)."""
-    pair = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.{pair} $0, $1, $2, z; }}",
-        "=r,r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
 
 
 class FlashAttnBwdSm80:
@@ -400,8 +386,7 @@ class FlashAttnBwdSm80:
                 rdS = cute.make_fragment_like(acc_dP, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
                 cute.copy(r2s_PdS, tPsP, r2s_PdS.retile(rP))  # this thread's own stores: no barrier
-                tSrP_pairs, tSrdS_pairs = [cute.make_tensor(cute.recast_ptr(t.iterator, dtype=Int32), cute.make_layout(cute.size(t) // 2))
-                                           for t in (rP, rdS)]
+                tSrP_pairs, tSrdS_pairs = as_int32_pairs(rP), as_int32_pairs(rdS)
                 for i in cutlass.range_constexpr(cute.size(tSrdS_pairs)):
                     tSrdS_pairs[i] = mul_16bit_x2(tSrP_pairs[i], tSrdS_pairs[i], self.dtype)
                 cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)

@@ -37,14 +37,13 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
 from ..common.layouts import reshape_acc_to_mn
 from ..common.mask import apply_mask
+from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
 
 # Named barrier ids (0 is __syncthreads). Consumer warp group i waits on barrier
@@ -555,7 +554,8 @@ class FlashAttnFwdSm90:
             c.pipeline_k.consumer_release(kv_state)
             self.mask(c, n_block_max - 1, True, self.causal)
             c.softmax.online_softmax(c.acc_S, is_first=True)
-            c.row_scale.fill(1.0)  # O is still zero: nothing to rescale before the first PV GEMM
+            if const_expr(self.rescale_o_early):
+                c.row_scale.fill(1.0)  # O is still zero: nothing to rescale before the first PV GEMM
             self.convert_P(c)
             if const_expr(self.causal):
                 for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
@@ -713,34 +713,3 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCrA: cute.Tensor, tCrB: cu
         mma_atom.set(warpgroup.Field.ACCUMULATE, not zero_init or k != 0)
         cute.gemm(mma_atom, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
     warpgroup.commit_group()
-
-
-@dsl_user_op
-def _cvt_pack_16bit(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int32:
-    """Two floats rounded to fp16/bf16 and packed into one 32-bit register (lo in bits 0-15).
-
-    An asm statement with side effects: LLVM keeps it where it is written (see `convert_P`).
-    """
-    pair = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Float32(lo).ir_value(loc=loc, ip=ip), Float32(hi).ir_value(loc=loc, ip=ip)],
-        f"cvt.rn.{pair}.f32 $0, $2, $1;",  # the first source goes to the upper half
-        "=r,f,f",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
-@cute.jit
-def convert_f32_to_16bit(src: cute.Tensor, dst: cute.Tensor):
-    """dst <- src rounded to dst's 16-bit type, register offset k to register offset k.
-
-    Both are compact register fragments; the P fragment of an RS wgmma has the same register
-    order as the S accumulator, so no layout is needed, only the flat offsets.
-    """
-    n = cute.size(src)
-    assert cute.cosize(src.layout) == n and cute.cosize(dst.layout) == n and n % 2 == 0
-    src_flat = cute.make_tensor(src.iterator, cute.make_layout(n))
-    dst_pairs = cute.make_tensor(cute.recast_ptr(dst.iterator, dtype=Int32), cute.make_layout(n // 2))
-    for i in cutlass.range_constexpr(n // 2):
-        dst_pairs[i] = _cvt_pack_16bit(src_flat[2 * i], src_flat[2 * i + 1], dst.element_type)
