@@ -52,7 +52,8 @@ _EPILOGUE_BARRIER = 1
 _SCHED_BARRIER_BASE = 2
 
 _SMEM_BYTES = 227 * 1024
-_L2_BYTES = 40 * 1024 * 1024  # of the H100's 50 MB, what K/V of concurrent heads may occupy
+_L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running heads may fill
+_WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themselves
 
 
 class FlashAttnFwdSm90:
@@ -73,6 +74,7 @@ class FlashAttnFwdSm90:
         lpt: str = "l2",
         num_sms: int = 0,
         rescale_o_early: bool | None = None,
+        prefetch_next: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
@@ -91,6 +93,8 @@ class FlashAttnFwdSm90:
         if rescale_o_early is None:
             rescale_o_early = head_dim >= 128
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
+        # Persistent CTAs only: the producer prefetches the next tile's Q and first K, V block to L2.
+        self.prefetch_next = prefetch_next and num_sms > 0
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
         self.lpt = lpt if causal else "none"
@@ -158,35 +162,41 @@ class FlashAttnFwdSm90:
         else:
             tiles = dict(tile_m=128, tile_n=80, num_stages=2)
         if causal:
-            # Causal tile order, measured on the H100 (bf16, 512-16k, docs/kernels/sm90-forward.md):
-            # longest tile first within each head beats longest first within L2-sized head groups
-            # at d128 (+19%/+11% at 512/1k, equal at 2k-8k, +6% at 16k) and d256 (+4-20% up to 8k),
-            # while d64's 192-row tiles lose 2-8% with it from 2k on.
-            tiles["lpt"] = "l2" if head_dim <= 64 else "head"
+            tiles["lpt"] = "l2"
         return tiles
 
     @staticmethod
     def length_config(head_dim: int, causal: bool, short: bool, num_sms: int) -> dict:
         """Init arguments for a length bucket (`short`: dispatch.is_short, 2048 keys or 4096 causal).
 
-        Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md): persistent CTAs
-        are 5-24% faster at seqlen 512-2048 for head dims up to 128, where a tile is only a few K/V
-        blocks and the next tile's loads hide behind this one's epilogue, and 0-4% at d192/d256
-        (causal, with the snake walk of tile_of_round: d128 +13-18%, d256 +1-8%); at 8k they are
-        6-10% slower than one CTA per tile. d128 then prefers two K/V stages, which leave room for
-        O's own smem buffer. Causal d64 switches to 128 x 128 tiles, which waste less of the
-        diagonal block: +8% at 512 and +9% at 1k, -3% at 2k against 192 x 128 (non-causal: -2% at
-        1k, -11% at 2k, so not there), in the per-head order (+9% at 512, +2% at 2k over "l2").
-        Beyond 2k the persistent walk loses: at 16k causal d128 427 vs 636 TFLOP/s (the CTAs
-        that race ahead spread over many heads' K/V in L2); at 4k it still gains 2-9% (causal).
+        Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md):
+        * Short: persistent CTAs are 5-24% faster at seqlen 512-2048 for head dims up to 128, where
+          a tile is only a few K/V blocks and the next tile's loads hide behind this one's
+          epilogue, and 0-4% at d192/d256 (causal, with the snake walk of tile_of_round: d128
+          +13-18%, d256 +1-8%). d128 then prefers two K/V stages, which leave room for O's own smem
+          buffer. Causal tiles run longest first within each head ("head"): +19%/+11% at d128
+          512/1k over "l2". Causal d64 switches to 128 x 128 tiles, which waste less of the
+          diagonal block: +8% at 512 and +9% at 1k against 192 x 128 (non-causal: -2% at 1k, -11%
+          at 2k, so not there). d64 also warms L2 with the next tile's first blocks
+          (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it.
+        * Long: one CTA per tile, except non-causal d128, which runs 192 x 80 tiles (three consumer
+          warp groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA
+          per tile (slower when causal, or short). Other persistent walks lose here: at 16k
+          causal d128 427 vs 636 TFLOP/s (CTAs that race ahead spread over many heads' K/V in L2).
         """
         if not short:
+            if not causal and 96 < head_dim <= 128:
+                return dict(tile_m=192, tile_n=80, num_stages=3, num_sms=num_sms)
             return {}
         config = dict(num_sms=num_sms)
+        if causal:
+            config["lpt"] = "head"
         if 96 < head_dim <= 128:
             config["num_stages"] = 2
-        if causal and head_dim <= 64:
-            config.update(tile_m=128, tile_n=128, lpt="head")
+        if head_dim <= 64:
+            config["prefetch_next"] = True
+            if causal:
+                config.update(tile_m=128, tile_n=128)
         return config
 
     # ------------------------------------------------------------------ host entry
@@ -354,9 +364,13 @@ class FlashAttnFwdSm90:
         """(m_block, head, batch) of tile index `tile` (blockIdx.x, then + gridDim.x per step).
 
         With causal masking the tiles at the end of the sequence do the most work, so they
-        should start first (longest processing time first), but consecutive tiles should also
-        share K/V in L2: tiles are ordered by descending m_block within groups of (head, batch)
-        pairs whose K and V fit in L2 together.
+        should start first (longest processing time first), but tiles running at the same time
+        should also share K/V in L2. "head": descending m_block within each (head, batch) pair.
+        "l2": descending m_block across groups of pairs whose K and V fit in L2 together (a power
+        of two of them, as FA4 does), and per head once one head has _WAVE_M_BLOCKS tiles, enough
+        to fill the H100 alone. Measured (causal, bf16, against the former 40 MB groups of any
+        size and "head"): 8k d256 700 vs 600/636 TFLOP/s, d128 600 vs 573/577; d64 +2% at 8k-16k;
+        at 16k d128/d256 "head" leads by 2-3%.
         """
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         hb = tile // num_m_blocks
@@ -368,6 +382,10 @@ class FlashAttnFwdSm90:
         if const_expr(self.lpt == "l2"):
             kv_tokens_in_l2 = _L2_BYTES // (2 * self.head_dim * self.dtype.width // 8)
             group = cutlass.max(Int32(kv_tokens_in_l2) // cutlass.max(seqlen_k, 1), 1)
+            log2_group = Int32(31) - Int32(cute.arch.clz(group))
+            if num_m_blocks >= _WAVE_M_BLOCKS:
+                log2_group = Int32(0)
+            group = Int32(1) << log2_group
             num_hb = num_heads * num_batch
             group_idx = tile // (group * num_m_blocks)
             in_group = tile - group_idx * (group * num_m_blocks)
@@ -408,26 +426,13 @@ class FlashAttnFwdSm90:
     ):
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
-        no_mcast = cute.make_layout(1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         round_idx = Int32(0)
         tile = self.tile_of_round(round_idx)
         while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
-            m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
-            head_kv = head // (num_heads // mK.shape[2])
-            _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-            gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
-            tQsQ, tQgQ = cpasync.tma_partition(
-                tma_atom_Q, 0, no_mcast, cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-            )
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_K, 0, no_mcast, cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2)
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_V, 0, no_mcast, cute.group_modes(sVt, 0, 2), cute.group_modes(gVt, 0, 2)
+            n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
+                tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges
             )
             load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
             load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
@@ -439,6 +444,11 @@ class FlashAttnFwdSm90:
                 pipeline_q.producer_acquire(q_state)
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
                 q_state.advance()
+                if const_expr(self.prefetch_next):
+                    self.prefetch_tile(
+                        self.tile_of_round(round_idx + 1), tma_atom_Q, mQ, tma_atom_K, mK,
+                        tma_atom_V, mVt, sQ, sK, sVt, block_ranges,
+                    )
                 if const_expr(self.intra_wg_overlap):
                     # Consumers want K of block j before V of block j+1: issue in that order.
                     for i in cutlass.range(n_block_max - 1, unroll=1):
@@ -458,6 +468,35 @@ class FlashAttnFwdSm90:
                 kv_state.advance()
             round_idx += 1
             tile = self.tile_of_round(round_idx)
+
+    def tile_views(self, tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges):
+        """n_block_max and the TMA (smem, gmem) views of Q and of K, V by n_block for one tile."""
+        seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
+        m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
+        head_kv = head // (num_heads // mK.shape[2])
+        _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
+        gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
+        no_mcast = cute.make_layout(1)
+        views = [
+            cpasync.tma_partition(atom, 0, no_mcast, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
+            for atom, sX, gX in ((tma_atom_Q, sQ, gQ), (tma_atom_K, sK, gK), (tma_atom_V, sVt, gVt))
+        ]
+        return n_block_max, views[0], views[1], views[2]
+
+    @cute.jit
+    def prefetch_tile(self, tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges):
+        """Warm L2 with Q and the first K, V block of `tile` (this CTA's next one) while the current
+        one runs, so the next tile does not start with a DRAM round trip."""
+        if tile < self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3]):
+            n_block_max, (_, tQgQ), (_, tKgK), (_, tVgV) = self.tile_views(
+                tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges
+            )
+            if n_block_max > 0:
+                cute.prefetch(tma_atom_Q, tQgQ)
+                cute.prefetch(tma_atom_K, tKgK[None, n_block_max - 1])
+                cute.prefetch(tma_atom_V, tVgV[None, n_block_max - 1])
 
     def load_block(self, tma_atom, tXgX, tXsX, pipe, n_block, state):
         pipe.producer_acquire(state)

@@ -26,8 +26,11 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2)),
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=176, num_stages=2)),
     # The short-sequence causal d64 kernel (length_config), and O rescaled early at d192.
-    (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head")),
+    (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True)),
     (cutlass.Float16, 192, False, None),
+    # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80.
+    (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3)),
+    (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3)),
 ]
 
 
@@ -55,6 +58,8 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert "wgmma.mma_async" in report.ptx
     assert "cp.async.bulk.tensor" in report.ptx
     assert "setmaxnreg" in report.ptx
+    if tiles.get("prefetch_next"):
+        assert "cp.async.bulk.prefetch.tensor" in report.ptx
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs and "C7512" not in logs[0], "ptxas serialized the wgmma instructions"
 

@@ -105,6 +105,20 @@ def test_long_sequences(family, head_dim, causal):
     assert_forward_close(out, lse, q, k, v, causal)
 
 
+@pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
+def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
+    """The long causal tile order (kernels/sm90/fwd.py: tile_coord, "l2") in its two rarer shapes:
+    a last group of heads smaller than the others (L2 holds the K/V of two of the three heads at
+    20k keys of d256), and one head at a time once a head has 128 tiles or more."""
+    torch.manual_seed(head_dim)
+    sq, sk = seqlens
+    assert not dispatch.is_short(sk, True)
+    q = randn(1, sq, nheads, head_dim, dtype=torch.bfloat16)
+    k, v = randn(1, sk, nheads, head_dim, dtype=torch.bfloat16), randn(1, sk, nheads, head_dim, dtype=torch.bfloat16)
+    out, lse = run_forward(q, k, v, True)
+    assert_forward_close(out, lse, q, k, v, True)
+
+
 def test_one_compile_serves_every_length(family):
     from cute_flash import cache
 
