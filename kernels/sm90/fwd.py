@@ -179,13 +179,18 @@ class FlashAttnFwdSm90:
           diagonal block: +8% at 512 and +9% at 1k against 192 x 128 (non-causal: -2% at 1k, -11%
           at 2k, so not there). d64 also warms L2 with the next tile's first blocks
           (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it.
-        * Long: one CTA per tile, except non-causal d128, which runs 192 x 80 tiles (three consumer
-          warp groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA
-          per tile (slower when causal, or short). Other persistent walks lose here: at 16k
-          causal d128 427 vs 636 TFLOP/s (CTAs that race ahead spread over many heads' K/V in L2).
+        * Long: one CTA per tile, except non-causal d64 and d128. d64 stays persistent with the
+          prefetch: +3% at 4k, within 1% at 8k-16k. d128 runs 192 x 80 tiles (three consumer warp
+          groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA per
+          tile (slower when causal, or short). Causal persistent walks lose here: at 16k causal
+          d128 427 vs 636 TFLOP/s (CTAs that race ahead spread over many heads' K/V in L2).
         """
         if not short:
-            if not causal and 96 < head_dim <= 128:
+            if causal:
+                return {}
+            if head_dim <= 64:
+                return dict(num_sms=num_sms, prefetch_next=True)
+            if 96 < head_dim <= 128:
                 return dict(tile_m=192, tile_n=80, num_stages=3, num_sms=num_sms)
             return {}
         config = dict(num_sms=num_sms)

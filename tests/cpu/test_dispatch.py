@@ -54,11 +54,12 @@ def test_length_buckets_reach_the_sm90_launch_settings():
     long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, short=False, num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
     assert long.get("num_sms", 0) == 0 and long["num_stages"] == 3 and long["lpt"] == "l2"
-    # Long non-causal d128: 192 x 80 tiles, persistent; short d64: next tile's blocks prefetched.
+    # Long non-causal d128: 192 x 80 tiles, persistent; d64: next tile's blocks prefetched (short,
+    # and long non-causal).
     long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, short=False, num_sms=132).init_kwargs)
     assert (long_full["tile_m"], long_full["tile_n"], long_full["num_sms"]) == (192, 80, 132)
     for causal in (False, True):
         short64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, short=True, num_sms=132).init_kwargs)
         assert short64["prefetch_next"] and short64["num_sms"] == 132
         long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, short=False, num_sms=132).init_kwargs)
-        assert not long64.get("prefetch_next", False)
+        assert long64.get("prefetch_next", False) == (not causal)
