@@ -41,15 +41,15 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
-from ..common.layouts import reshape_acc_to_mn
+from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn
 from ..common.mask import apply_mask
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
 
 # Named barrier ids (0 is __syncthreads). Consumer warp group i waits on barrier
 # _SCHED_BARRIER_BASE + i before issuing its GEMMs.
-_EPILOGUE_BARRIER = 1
-_SCHED_BARRIER_BASE = 2
+_EPILOGUE_BARRIER = 1  # + warp group index when each group stores its own rows (wg_epilogue)
+_SCHED_BARRIER_BASE = 4
 
 _SMEM_BYTES = 227 * 1024
 _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running heads may fill
@@ -75,10 +75,13 @@ class FlashAttnFwdSm90:
         num_sms: int = 0,
         rescale_o_early: bool | None = None,
         prefetch_next: bool = False,
+        wg_epilogue: bool = False,
+        q_stages: int = 1,
     ):
         assert FlashAttnFwdSm90.can_implement(
-            dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages
-        ), (dtype, head_dim, causal, tile_m, tile_n, num_stages)
+            dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
+            q_stages=q_stages,
+        ), (dtype, head_dim, causal, tile_m, tile_n, num_stages, q_stages)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -95,6 +98,9 @@ class FlashAttnFwdSm90:
         self.rescale_o_early = rescale_o_early and intra_wg_overlap
         # Persistent CTAs only: the producer prefetches the next tile's Q and first K, V block to L2.
         self.prefetch_next = prefetch_next and num_sms > 0
+        # Each consumer warp group stores its own 64 rows of O (16-byte stores from smem) and goes
+        # on to its next tile, instead of all groups meeting for one TMA store per tile.
+        self.wg_epilogue = wg_epilogue
         # Causal tile order: "l2" longest-first within groups of heads whose K/V fit in L2,
         # "head" longest-first within each head, "none" launch order.
         self.lpt = lpt if causal else "none"
@@ -103,8 +109,11 @@ class FlashAttnFwdSm90:
         # tile's K, V (and Q, when O has its own smem buffer) while the consumers finish the
         # current one. 0: one CTA per tile.
         self.num_sms = num_sms
+        # Q stages: with two, the producer loads the next tile's Q while this one runs.
+        self.q_stages = q_stages
         self.separate_o = (
-            FlashAttnFwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) + tile_m * head_dim * dtype.width // 8
+            FlashAttnFwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, q_stages)
+            + tile_m * head_dim * dtype.width // 8
             <= _SMEM_BYTES
         )
         self.num_wg_mma = tile_m // 64
@@ -119,16 +128,17 @@ class FlashAttnFwdSm90:
     # ------------------------------------------------------------------ host-side config
 
     @staticmethod
-    def smem_bytes(dtype, head_dim: int, tile_m: int, tile_n: int, num_stages: int, **_) -> int:
+    def smem_bytes(dtype, head_dim: int, tile_m: int, tile_n: int, num_stages: int, q_stages: int = 1,
+                   **_) -> int:
         elem = dtype.width // 8
-        q = tile_m * head_dim * elem  # O reuses this buffer
+        q = q_stages * tile_m * head_dim * elem  # O reuses this buffer when it has none
         kv = 2 * num_stages * tile_n * head_dim * elem
         return q + kv + 1024  # alignment padding and mbarriers
 
     @staticmethod
     def can_implement(
         dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-        num_stages: int = 2, **_,
+        num_stages: int = 2, q_stages: int = 1, **_,
     ) -> bool:
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             return False
@@ -136,14 +146,17 @@ class FlashAttnFwdSm90:
             return False
         if tile_m not in (128, 192) or tile_n % 16 != 0 or not 16 <= tile_n <= 256:
             return False
-        if num_stages < 1:
+        if num_stages < 1 or q_stages < 1:
             return False
         # Accumulator registers per consumer thread: S (tile_n/2) + P (tile_n/4) + O (head_dim/2).
         # A coarse filter only: the compile test checks that the chosen tiles do not spill.
         acc_regs = tile_n // 2 + tile_n // 4 + head_dim // 2
         if acc_regs > (200 if tile_m == 128 else 128):
             return False
-        return FlashAttnFwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages) <= _SMEM_BYTES
+        smem = FlashAttnFwdSm90.smem_bytes(dtype, head_dim, tile_m, tile_n, num_stages, q_stages)
+        if q_stages > 1:  # O then needs its own buffer
+            smem += tile_m * head_dim * dtype.width // 8
+        return smem <= _SMEM_BYTES
 
     @staticmethod
     def default_tiles(dtype, head_dim: int, causal: bool) -> dict:
@@ -178,7 +191,10 @@ class FlashAttnFwdSm90:
           512/1k over "l2". Causal d64 switches to 128 x 128 tiles, which waste less of the
           diagonal block: +8% at 512 and +9% at 1k against 192 x 128 (non-causal: -2% at 1k, -11%
           at 2k, so not there). d64 also warms L2 with the next tile's first blocks
-          (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it.
+          (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores
+          its own rows of O (wg_epilogue: causal d64 +2-4%), and non-causal problems up to d128
+          double-buffer Q (q_stages=2, with wg_epilogue: +2-7% at 512-2k; causal d128 lost 8% at
+          4k with it).
         * Long: one CTA per tile, except non-causal d64 and d128. d64 stays persistent with the
           prefetch: +3% at 4k, within 1% at 8k-16k. d128 runs 192 x 80 tiles (three consumer warp
           groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA per
@@ -199,9 +215,11 @@ class FlashAttnFwdSm90:
         if 96 < head_dim <= 128:
             config["num_stages"] = 2
         if head_dim <= 64:
-            config["prefetch_next"] = True
+            config.update(prefetch_next=True, wg_epilogue=True)
             if causal:
                 config.update(tile_m=128, tile_n=128)
+        if not causal and head_dim <= 128:
+            config.update(q_stages=2, wg_epilogue=True)
         return config
 
     # ------------------------------------------------------------------ host entry
@@ -238,10 +256,8 @@ class FlashAttnFwdSm90:
         # Swizzled smem layouts wgmma can read: Q, K are K-major; V^T is MN-major (d contiguous).
         qk_tiler = (self.tile_m, self.tile_n, self.head_dim)
         pv_tiler = (self.tile_m, self.head_dim, self.tile_n)
-        sQ_layout = cute.slice_(
-            sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, 1),
-            (None, None, 0),
-        )
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, self.q_stages)
+        sQ_stage_layout = cute.slice_(sQ_layout, (None, None, 0))
         sK_layout = sm90_utils.make_smem_layout_b(
             LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype, self.num_stages
         )
@@ -251,7 +267,7 @@ class FlashAttnFwdSm90:
 
         # TMA descriptors are built here, from the dynamic-layout tensors of this call.
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_layout, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_stage_layout, (self.tile_m, self.head_dim)
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)),
@@ -262,21 +278,21 @@ class FlashAttnFwdSm90:
             (self.head_dim, self.tile_n),
         )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_layout, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_stage_layout, (self.tile_m, self.head_dim)
         )
-        self.tx_bytes_Q = cute.size_in_bytes(self.dtype, sQ_layout)
+        self.tx_bytes_Q = cute.size_in_bytes(self.dtype, sQ_stage_layout)
         self.tx_bytes_KV = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sVt_layout)], 1024]
             sO: cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout) if self.separate_o else 0], 1024
+                cute.struct.MemRange[self.dtype, cute.cosize(sQ_stage_layout) if self.separate_o else 0], 1024
             ]
 
         num_tiles = self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
@@ -284,9 +300,10 @@ class FlashAttnFwdSm90:
         if const_expr(self.num_sms > 0):
             grid_x = cutlass.min(num_tiles, self.num_sms)
         softmax_scale_log2 = softmax_scale * Float32(LOG2_E)
+        gmem_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dtype, 128, self.head_dim)
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mLSE,
-            softmax_scale_log2, tiled_mma_qk, tiled_mma_pv,
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, gmem_copy_O,
+            mLSE, softmax_scale_log2, tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sVt_layout, SharedStorage,
         ).launch(
             grid=[grid_x, 1, 1],
@@ -304,6 +321,7 @@ class FlashAttnFwdSm90:
         tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
         tma_atom_V: cute.CopyAtom, mVt: cute.Tensor,
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
+        mO_gmem: cute.Tensor, gmem_copy_O: cute.TiledCopy,
         mLSE: cute.Tensor,
         softmax_scale_log2: Float32,
         tiled_mma_qk: cute.TiledMma,
@@ -326,7 +344,7 @@ class FlashAttnFwdSm90:
         # PipelineTmaAsync releases with one elected thread per consumer warp.
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
         pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=1,
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=self.q_stages,
             producer_group=tma_warp, consumer_group=mma_warps,
             tx_count=self.tx_bytes_Q, defer_sync=True,
         )
@@ -346,7 +364,8 @@ class FlashAttnFwdSm90:
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
         sO = sQ
         if const_expr(self.separate_o):
-            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+            sQ_stage_layout = cute.slice_(sQ_layout, (None, None, 0))
+            sO = storage.sO.get_tensor(sQ_stage_layout.outer, swizzle=sQ_stage_layout.inner)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.num_producer_regs)
@@ -358,7 +377,7 @@ class FlashAttnFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mLSE,
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
             )
 
@@ -432,7 +451,7 @@ class FlashAttnFwdSm90:
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         round_idx = Int32(0)
         tile = self.tile_of_round(round_idx)
         while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
@@ -443,12 +462,16 @@ class FlashAttnFwdSm90:
             load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
 
             if n_block_max > 0:
-                # K first: Q's buffer may still hold the previous tile (or its O) until the
-                # consumers release it.
-                load_K(n_block_max - 1, kv_state)
+                # With one Q stage, K first: Q's buffer may still hold the previous tile (or its
+                # O) until the consumers release it.
+                if const_expr(self.q_stages == 1):
+                    load_K(n_block_max - 1, kv_state)
                 pipeline_q.producer_acquire(q_state)
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                cute.copy(tma_atom_Q, tQgQ, tQsQ[None, q_state.index],
+                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
                 q_state.advance()
+                if const_expr(self.q_stages > 1):
+                    load_K(n_block_max - 1, kv_state)
                 if const_expr(self.prefetch_next):
                     self.prefetch_tile(
                         self.tile_of_round(round_idx + 1), tma_atom_Q, mQ, tma_atom_K, mK,
@@ -512,7 +535,7 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def mma(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mLSE,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
         pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -551,7 +574,7 @@ class FlashAttnFwdSm90:
         num_heads, num_batch = mO.shape[2], mO.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         round_idx = Int32(0)
         tile = self.tile_of_round(round_idx)
         while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
@@ -563,7 +586,7 @@ class FlashAttnFwdSm90:
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale,
+                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_state.index,
             )
             if n_block_max > 0:
                 pipeline_q.consumer_wait(q_state)
@@ -572,8 +595,10 @@ class FlashAttnFwdSm90:
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
             softmax.rescale_O(acc_O, softmax.finalize())
-            self.epilogue(acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mLSE, tidx,
-                          m_block, head, batch, seqlen_q)
+            # O through its own buffer, or through this tile's stage of Q's.
+            sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_state.index]
+            self.epilogue(acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO, mO_gmem,
+                          gmem_copy_O, mLSE, tidx, wg_idx, m_block, head, batch, seqlen_q)
             if n_block_max > 0:
                 if const_expr(not self.separate_o):
                     # O went out through Q's buffer; the epilogue waited until TMA had read it.
@@ -626,7 +651,8 @@ class FlashAttnFwdSm90:
     # ------------------------------------------------------------------ one K/V block
 
     def gemm_qk(self, c, stage):
-        gemm(c.tiled_mma_qk, c.acc_S, c.tSrQ, c.tSrK[None, None, None, stage], zero_init=True)
+        gemm(c.tiled_mma_qk, c.acc_S, c.tSrQ[None, None, None, c.q_index], c.tSrK[None, None, None, stage],
+             zero_init=True)
 
     def gemm_pv(self, c, stage):
         gemm(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, stage], zero_init=False)
@@ -712,8 +738,8 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_O, lse, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mLSE, tidx,
-        m_block, head, batch, seqlen_q,
+        self, acc_O, lse, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE, tidx,
+        wg_idx, m_block, head, batch, seqlen_q,
     ):
         # LSE straight from registers: the thread holding column 0 of a row writes it.
         if tOcO_mn[0, 0][1] == 0:
@@ -722,27 +748,55 @@ class FlashAttnFwdSm90:
                 if row < seqlen_q:
                     mLSE[batch, head, row] = lse[r]
 
-        # O: registers -> smem -> one TMA store, clipped at seqlen_q. sO is its own buffer or Q's
-        # (each warp group overwrites only its own rows, which its last S GEMM has finished
-        # reading). The storing warp waits until TMA has read sO; the barrier first makes every
-        # warp wait for that, so a warp group with a short tile cannot overwrite rows that the
-        # previous tile's store has not read yet.
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         thr_copy_O = smem_copy_O.get_slice(tidx)
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
-        cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
-        if tidx < 32:
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = cpasync.tma_partition(
-                tma_atom_O, 0, cute.make_layout(1),
-                cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
+        if const_expr(self.wg_epilogue):
+            # Each warp group stages its own rows of O in sO (its rows of Q's buffer when O has
+            # none: its own S GEMMs, the only readers of those rows, are done) and stores them with
+            # 16-byte vector stores, clipped at seqlen_q. The first barrier keeps a fast thread
+            # from overwriting rows that a slow one is still reading for the previous tile.
+            group_barrier = partial(
+                cute.arch.barrier, barrier_id=_EPILOGUE_BARRIER + wg_idx, number_of_threads=128
             )
-            cute.copy(tma_atom_O, tOsO, tOgO)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            group_barrier()
+            cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+            group_barrier()
+            sO_rows = cute.local_tile(sO, (64, self.head_dim), (wg_idx, 0))
+            gO_rows = cute.local_tile(
+                mO_gmem[None, None, head, batch], (64, self.head_dim),
+                (m_block * self.num_wg_mma + wg_idx, 0),
+            )
+            thr_gmem_O = gmem_copy_O.get_slice(tidx % 128)
+            tOsO = thr_gmem_O.partition_S(sO_rows)
+            tOgO = thr_gmem_O.partition_D(gO_rows)
+            tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+            cute.autovec_copy(tOsO, tOrO)
+            cO = cute.make_identity_tensor((64, self.head_dim))
+            t0OcO = gmem_copy_O.get_slice(0).partition_S(cO)
+            row_limit = seqlen_q - m_block * self.tile_m - wg_idx * 64 - thr_gmem_O.partition_S(cO)[0][0]
+            for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+                if t0OcO[0, m, 0][0] < row_limit:
+                    cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
+        else:
+            # O: registers -> smem -> one TMA store, clipped at seqlen_q. sO is its own buffer or
+            # Q's (each warp group overwrites only its own rows, which its last S GEMM has finished
+            # reading). The storing warp waits until TMA has read sO; the barrier first makes every
+            # warp wait for that, so a warp group with a short tile cannot overwrite rows that the
+            # previous tile's store has not read yet.
+            cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+            cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=_EPILOGUE_BARRIER, number_of_threads=self.num_mma_threads)
+            if tidx < 32:
+                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_atom_O, 0, cute.make_layout(1),
+                    cute.group_modes(sO, 0, 2), cute.group_modes(gO, 0, 2),
+                )
+                cute.copy(tma_atom_O, tOsO, tOgO)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
 
 @cute.jit

@@ -28,6 +28,10 @@ VARIANTS = [
     # The short-sequence causal d64 kernel (length_config), and O rescaled early at d192.
     (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True)),
     (cutlass.Float16, 192, False, None),
+    # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O.
+    (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
+                                       wg_epilogue=True, q_stages=2)),
+    (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3)),
     (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3)),

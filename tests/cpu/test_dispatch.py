@@ -63,3 +63,4 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert short64["prefetch_next"] and short64["num_sms"] == 132
         long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, short=False, num_sms=132).init_kwargs)
         assert long64.get("prefetch_next", False) == (not causal)
+        assert short64["wg_epilogue"] and short64.get("q_stages", 1) == (1 if causal else 2)

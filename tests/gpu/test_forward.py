@@ -119,6 +119,21 @@ def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     assert_forward_close(out, lse, q, k, v, True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
+    """Short problems run persistent CTAs that each take several tiles in turn: more tiles than an
+    H100 has SMs, so the Q stages, the per-warp-group O stores and the next-tile prefetch all
+    rotate at least once (kernels/sm90/fwd.py: length_config)."""
+    torch.manual_seed(head_dim + 7 * causal)
+    sq, sk = 1000, 1024
+    assert dispatch.is_short(sk, causal)
+    q = randn(4, sq, 16, head_dim, dtype=torch.bfloat16)
+    k, v = randn(4, sk, 4, head_dim, dtype=torch.bfloat16), randn(4, sk, 4, head_dim, dtype=torch.bfloat16)
+    out, lse = run_forward(q, k, v, causal)
+    assert_forward_close(out, lse, q, k, v, causal)
+
+
 def test_one_compile_serves_every_length(family):
     from cute_flash import cache
 
