@@ -80,8 +80,8 @@ class FlashAttnFwdSm90:
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
-            q_stages=q_stages,
-        ), (dtype, head_dim, causal, tile_m, tile_n, num_stages, q_stages)
+            q_stages=q_stages, wg_epilogue=wg_epilogue,
+        ), (dtype, head_dim, causal, tile_m, tile_n, num_stages, q_stages, wg_epilogue)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -138,7 +138,7 @@ class FlashAttnFwdSm90:
     @staticmethod
     def can_implement(
         dtype, head_dim: int, causal: bool, tile_m: int = 128, tile_n: int = 128,
-        num_stages: int = 2, q_stages: int = 1, **_,
+        num_stages: int = 2, q_stages: int = 1, wg_epilogue: bool = False, **_,
     ) -> bool:
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             return False
@@ -147,6 +147,9 @@ class FlashAttnFwdSm90:
         if tile_m not in (128, 192) or tile_n % 16 != 0 or not 16 <= tile_n <= 256:
             return False
         if num_stages < 1 or q_stages < 1:
+            return False
+        # A warp group's 128 threads store whole rows of O, 8 elements (16 bytes) each.
+        if wg_epilogue and 128 % (head_dim // 8) != 0:
             return False
         # Accumulator registers per consumer thread: S (tile_n/2) + P (tile_n/4) + O (head_dim/2).
         # A coarse filter only: the compile test checks that the chosen tiles do not spill.
@@ -218,7 +221,7 @@ class FlashAttnFwdSm90:
             config.update(prefetch_next=True, wg_epilogue=True)
             if causal:
                 config.update(tile_m=128, tile_n=128)
-        if not causal and head_dim <= 128:
+        if not causal and head_dim in (64, 128):
             config.update(q_stages=2, wg_epilogue=True)
         return config
 

@@ -76,7 +76,12 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
     assert not FlashAttnFwdSm90.can_implement(
         cutlass.BFloat16, 256, False, tile_m=128, tile_n=128, num_stages=4
     )
+    # Per-warp-group O stores need rows of O that 128 threads cover in 16-byte pieces.
+    assert not FlashAttnFwdSm90.can_implement(cutlass.BFloat16, 96, False, wg_epilogue=True)
     for head_dim in (64, 96, 128, 192, 256):
         for causal in (False, True):
             tiles = FlashAttnFwdSm90.default_tiles(cutlass.BFloat16, head_dim, causal)
             assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
+            for short in (False, True):
+                tiles = dict(tiles, **FlashAttnFwdSm90.length_config(head_dim, causal, short, 132))
+                assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
