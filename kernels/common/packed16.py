@@ -3,7 +3,6 @@ own conversions or arithmetic do not give the code we need (written as PTX):
 
     convert_f32_to_16bit(src, dst)   dst <- src rounded to fp16/bf16, pinned where it is written
     cvt_pack_16bit(lo, hi, dtype)    two floats -> one packed pair (lo in bits 0-15)
-    mul_16bit_x2(a, b, dtype)        packed pair * packed pair, rounded once
     as_int32_pairs(t)                a compact 16-bit register fragment seen as its 32-bit pairs
 """
 
@@ -34,18 +33,6 @@ def cvt_pack_16bit(lo: Float32, hi: Float32, dtype, *, loc=None, ip=None) -> Int
         f"cvt.rn.{_pair_type(dtype)}.f32 $0, $2, $1;",  # the first source goes to the upper half
         "=r,f,f",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    ))
-
-
-@dsl_user_op
-def mul_16bit_x2(a: Int32, b: Int32, dtype, *, loc=None, ip=None) -> Int32:
-    """a * b on two packed fp16/bf16 pairs (sm_80 has no bf16x2 mul: fma with -0)."""
-    return Int32(llvm.inline_asm(
-        T.i32(),
-        [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        f"{{ .reg .b32 z; mov.b32 z, 0x80008000; fma.rn.{_pair_type(dtype)} $0, $1, $2, z; }}",
-        "=r,r,r",
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
 
 

@@ -9,7 +9,7 @@ the saved log-sum-exp instead of storing anything of size seqlen_q x seqlen_k:
     dV_j += P^T dO_i
     dP  = dO_i V_j^T
     dS  = P * (dP - D_i)                    D_i = rowsum(dO_i * O_i), from the preprocess kernel;
-                                            a 16-bit product of 16-bit P and dP - D_i
+                                            fp32 from the 16-bit P, rounded once
     dK_j += dS^T Q_i
     dQ_i += dS K_j                          fp32 atomics into a workspace (postprocess scales it)
 
@@ -46,7 +46,6 @@ from cute_flash.kernels.common.layouts import (
 )
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
-from cute_flash.kernels.common.packed16 import as_int32_pairs, mul_16bit_x2
 
 SMEM_CAPACITY_SM80 = 163 * 1024
 
@@ -375,20 +374,19 @@ class FlashAttnBwdSm80:
                 rP.store(acc_S.load().to(self.dtype))
                 cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
 
-                # dP = dO_i V_j^T, then dS = P * (dP - D) in 16-bit pairs: P and dP - D rounded
-                # to the input dtype, their product rounded once more (what dS is stored in).
+                # dP = dO_i V_j^T, then dS = P * (dP - D) in fp32 from the 16-bit P read back, rounded
+                # once to the input dtype. (Rounding dP - D to 16 bits first and multiplying in
+                # packed 16-bit pairs put dq past twice torch's error on some bf16 d256 inputs.)
                 acc_dP = cute.make_rmem_tensor(acc_shape_SdP, Float32)
                 acc_dP.fill(0.0)
                 gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage_do], tdPsV, s2r_sdp_A, s2r_sdp_B)
                 acc_dP_mn = reshape_acc_to_mn(acc_dP)
                 for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                     acc_dP_mn[r, None].store(acc_dP_mn[r, None].load() - sdPsum[tScS_mn[r, 0][0], stage_do])
+                cute.copy(r2s_PdS, tPsP, r2s_PdS.retile(rP))  # this thread's own stores: no barrier
+                acc_dP.store(acc_dP.load() * rP.load().to(Float32))
                 rdS = cute.make_fragment_like(acc_dP, self.dtype)
                 rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_PdS, tPsP, r2s_PdS.retile(rP))  # this thread's own stores: no barrier
-                tSrP_pairs, tSrdS_pairs = as_int32_pairs(rP), as_int32_pairs(rdS)
-                for i in cutlass.range_constexpr(cute.size(tSrdS_pairs)):
-                    tSrdS_pairs[i] = mul_16bit_x2(tSrP_pairs[i], tSrdS_pairs[i], self.dtype)
                 cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)
                 cute.arch.barrier()
 
