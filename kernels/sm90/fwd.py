@@ -195,9 +195,9 @@ class FlashAttnFwdSm90:
           diagonal block: +8% at 512 and +9% at 1k against 192 x 128 (non-causal: -2% at 1k, -11%
           at 2k, so not there). d64 also warms L2 with the next tile's first blocks
           (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores
-          its own rows of O (wg_epilogue: causal d64 +2-4%), and non-causal problems up to d128
-          double-buffer Q (q_stages=2, with wg_epilogue: +2-7% at 512-2k; causal d128 lost 8% at
-          4k with it).
+          its own rows of O (wg_epilogue: causal d64 +2-4%), and non-causal d64/d128 double-buffer
+          Q (q_stages=2, with wg_epilogue: +2-7% at 512-2k; causal d128 lost 8% at 4k with it; a
+          96-element row does not split into 16-byte pieces over 128 threads).
         * Long: one CTA per tile, except non-causal d64 and d128. d64 stays persistent with the
           prefetch: +3% at 4k, within 1% at 8k-16k. d128 runs 192 x 80 tiles (three consumer warp
           groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA per
