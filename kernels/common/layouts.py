@@ -27,6 +27,12 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
         cover one smem-atom row, the rest stack along rows. `op` is e.g. cp.async (loads) or
         CopyUniversalOp (stores).
 
+    store_tile_rows(s2g, tidx, sX, gX, rows_left, col_pred=None)
+        A staged smem tile -> its gmem tile gX in the 16-byte vectors of `s2g` (a gmem_tiled_copy
+        with CopyUniversalOp), skipping rows at or past `rows_left`: one branch per row of vectors,
+        the row compared through thread 0's compile-time coordinates. `col_pred(tXgX, tXcX)`, when
+        given, returns the column predicate of a padded head dim.
+
     round_up(x, multiple) -> int
 """
 
@@ -94,3 +100,26 @@ def reshape_acc_to_frgA(acc: cute.Tensor) -> cute.Tensor:
 def transpose_view(s: cute.Tensor) -> cute.Tensor:
     modes = [1, 0] + list(range(2, cute.rank(s.layout)))
     return cute.make_tensor(s.iterator, cute.select(s.layout, mode=modes))
+
+
+@cute.jit
+def store_tile_rows(s2g: cute.TiledCopy, tidx, sX: cute.Tensor, gX: cute.Tensor, rows_left,
+                    col_pred: cutlass.Constexpr = None):
+    """See the module docstring. The caller makes sure sX is written and no thread still writes it."""
+    thr = s2g.get_slice(tidx)
+    tXsX = thr.partition_S(sX)
+    tXgX = thr.partition_D(gX)
+    tXrX = cute.make_rmem_tensor_like(tXsX, sX.element_type)
+    cute.autovec_copy(tXsX, tXrX)
+    cX = cute.make_identity_tensor(gX.shape)
+    tXcX = thr.partition_S(cX)
+    t0XcX = s2g.get_slice(0).partition_S(cX)
+    row_limit = rows_left - tXcX[0][0]
+    if cutlass.const_expr(col_pred is not None):
+        tXpX = col_pred(tXgX, tXcX)
+    for m in cutlass.range_constexpr(cute.size(tXrX.shape[1])):
+        if t0XcX[0, m, 0][0] < row_limit:
+            if cutlass.const_expr(col_pred is not None):
+                cute.copy(s2g, tXrX[None, m, None], tXgX[None, m, None], pred=tXpX[None, m, None])
+            else:
+                cute.copy(s2g, tXrX[None, m, None], tXgX[None, m, None])

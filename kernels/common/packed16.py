@@ -1,5 +1,5 @@
-"""Pairs of fp16/bf16 values packed in one 32-bit register, for the few places where the DSL's
-own conversions or arithmetic do not give the code we need (written as PTX):
+"""Pairs of fp16/bf16 values packed in one 32-bit register, where the DSL's own conversion does not
+give the code we need (written as PTX; used by the sm90 forward's P conversion):
 
     convert_f32_to_16bit(src, dst)   dst <- src rounded to fp16/bf16, pinned where it is written
     cvt_pack_16bit(lo, hi, dtype)    two floats -> one packed pair (lo in bits 0-15)

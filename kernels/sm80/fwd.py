@@ -32,6 +32,7 @@ from ..common.layouts import (
     reshape_acc_to_frgA,
     reshape_acc_to_mn,
     smem_layout_atom,
+    store_tile_rows,
     transpose_view,
 )
 from ..common.mask import apply_mask
@@ -502,16 +503,5 @@ class FlashAttnFwdSm80:
         cute.arch.barrier()
 
         gO = cute.local_tile(mO[batch, None, head, None], (self.tile_m, self.tile_hdim), (m_block, 0))
-        gmem_thr_copy_O = gmem_tiled_copy_O.get_slice(tidx)
-        tOsO = gmem_thr_copy_O.partition_S(sO)
-        tOgO = gmem_thr_copy_O.partition_D(gO)
-        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        tOcO = gmem_thr_copy_O.partition_S(cO)
-        t0OcO = gmem_tiled_copy_O.get_slice(0).partition_S(cO)
-        tOpO = self._predicate_hdim(tOgO, tOcO)
-        row_limit = seqlen_q - m_block * self.tile_m - tOcO[0][0]
-        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-            if t0OcO[0, m, 0][0] < row_limit:
-                cute.copy(gmem_tiled_copy_O, tOrO[None, m, None], tOgO[None, m, None],
-                          pred=tOpO[None, m, None] if cutlass.const_expr(self.check_hdim) else None)
+        store_tile_rows(gmem_tiled_copy_O, tidx, sO, gO, seqlen_q - m_block * self.tile_m,
+                        self._predicate_hdim if cutlass.const_expr(self.check_hdim) else None)

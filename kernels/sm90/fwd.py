@@ -41,7 +41,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
-from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn
+from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn, store_tile_rows
 from ..common.mask import apply_mask
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
@@ -770,17 +770,8 @@ class FlashAttnFwdSm90:
                 mO_gmem[None, None, head, batch], (64, self.head_dim),
                 (m_block * self.num_wg_mma + wg_idx, 0),
             )
-            thr_gmem_O = gmem_copy_O.get_slice(tidx % 128)
-            tOsO = thr_gmem_O.partition_S(sO_rows)
-            tOgO = thr_gmem_O.partition_D(gO_rows)
-            tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
-            cute.autovec_copy(tOsO, tOrO)
-            cO = cute.make_identity_tensor((64, self.head_dim))
-            t0OcO = gmem_copy_O.get_slice(0).partition_S(cO)
-            row_limit = seqlen_q - m_block * self.tile_m - wg_idx * 64 - thr_gmem_O.partition_S(cO)[0][0]
-            for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
-                if t0OcO[0, m, 0][0] < row_limit:
-                    cute.copy(gmem_copy_O, tOrO[None, m, None], tOgO[None, m, None])
+            store_tile_rows(gmem_copy_O, tidx % 128, sO_rows, gO_rows,
+                            seqlen_q - m_block * self.tile_m - wg_idx * 64)
         else:
             # O: registers -> smem -> one TMA store, clipped at seqlen_q. sO is its own buffer or
             # Q's (each warp group overwrites only its own rows, which its last S GEMM has finished
