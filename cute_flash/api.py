@@ -92,19 +92,18 @@ def _on(device: torch.device):
 
 
 _forward_kernels: dict[tuple, object] = {}
-"""Compiled forward per (device, dtype, head dim, causal, family): a plan builds fake tensors and
-hashes its key, which the per-call path should not pay for."""
+"""Forward launcher per (device, dtype, head dim, causal, length class, family): a plan builds fake
+tensors and hashes its key, which the per-call path should not pay for."""
 
 
 def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, short: bool):
     capability = dispatch.capability(device.index)
     key = (device.index, dtype, head_dim, causal, short, dispatch.kernel_family(capability))
-    compiled = _forward_kernels.get(key)
-    if compiled is None:
+    launch = _forward_kernels.get(key)
+    if launch is None:
         plan = dispatch.plan_forward(capability, dtype, head_dim, causal, short, dispatch.sm_count(device.index))
-        compiled = plan.compiled()
-        _forward_kernels[key] = compiled
-    return compiled
+        launch = _forward_kernels[key] = dispatch.forward_launcher(plan)
+    return launch
 
 
 def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
@@ -126,10 +125,10 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
         short = dispatch.is_short(problem.seqlen_k, bool(causal))
-        compiled = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), short)
+        launch = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), short)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
-        compiled(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
+        launch(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
         return deliver(out, out_k), deliver(lse, lse_k)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from . import cache
 from .errors import UnsupportedDtypeError
-from .tensors import fake_bshd, fake_rowstat, fake_stream
+from .tensors import fake_bshd, fake_rowstat, fake_stream, fake_tail_split_workspace
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
 _TARGETS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
@@ -111,6 +111,25 @@ def is_short(seqlen_k: int, causal: bool) -> bool:
     return seqlen_k <= (SHORT_SEQLEN_K_CAUSAL if causal else SHORT_SEQLEN_K)
 
 
+def _fake_forward_args(cls, cdtype, head_dim: int) -> tuple:
+    qkvo_lse = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(),)
+    if cls.__name__ == "FlashAttnFwdSm90":  # + the tail split's workspace and plan (forward_sm90)
+        return qkvo_lse + fake_tail_split_workspace(head_dim) + (
+            cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), fake_stream())
+    return qkvo_lse + (cutlass.Float32(1.0), fake_stream())
+
+
+def forward_launcher(plan: Plan):
+    """`launch(q, k, v, out, lse, softmax_scale)` for a forward plan: compiles (or loads) its kernel
+    and adds the per-call arguments that kernel takes beyond these."""
+    compiled = plan.compiled()
+    if plan.kernel_cls.__name__ == "FlashAttnFwdSm90":
+        from .forward_sm90 import launcher
+
+        return launcher(compiled, dict(plan.init_kwargs))
+    return compiled
+
+
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                  short: bool = False, num_sms: int | None = None) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `short`
@@ -123,6 +142,6 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
             tiles.update(cls.length_config(head_dim, causal, short, sm_count() if num_sms is None else num_sms))
         if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
-            fake = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(), cutlass.Float32(1.0), fake_stream())
-            return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), fake, target_arch_for(capability))
+            return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), _fake_forward_args(cls, cdtype, head_dim),
+                        target_arch_for(capability))
     raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")

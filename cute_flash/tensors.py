@@ -39,6 +39,16 @@ def fake_rowstat(dtype: type[cutlass.Numeric] = cutlass.Float32) -> cute.Tensor:
     return make_fake_tensor(dtype, shape, stride, assumed_align=4)
 
 
+def fake_tail_split_workspace(head_dim: int) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
+    """The sm90 forward's tail-split workspace: O (pieces, tile_m, head_dim) and LSE (pieces, tile_m)
+    of every piece in float32, and one int32 counter per split tile."""
+    o = make_fake_tensor(cutlass.Float32, (_sym_extent(), _sym_extent(), head_dim),
+                         (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    lse = make_fake_tensor(cutlass.Float32, (_sym_extent(), _sym_extent()), (cute.sym_int64(), 1), assumed_align=4)
+    count = make_fake_tensor(cutlass.Int32, (_sym_extent(),), (1,), assumed_align=4)
+    return o, lse, count
+
+
 def fake_stream():
     """The stream parameter. Compiled functions take it from the caller's framework (the current
     torch stream) through TVM-FFI, so it is not passed at call time."""

@@ -20,6 +20,9 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
   issuing GEMMs, so one group's softmax hides behind the other group's GEMMs.
 * Epilogue: O is normalized, written to smem (its own buffer where it fits, else Q's) and
   stored by TMA, which clips rows past seqlen_q; LSE is written straight from registers.
+* Tail split (persistent, non-causal): when the last round of tiles would leave SMs idle, its
+  tiles are cut along the keys into pieces that run side by side; each piece leaves its O and LSE
+  in a global workspace and the last piece of a tile to finish merges them (`merge_pieces`).
 
 K/V blocks are visited from the last one down, so the blocks that need masking (the
 seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
@@ -27,6 +30,7 @@ seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from types import SimpleNamespace
 
@@ -50,10 +54,13 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 # _SCHED_BARRIER_BASE + i before issuing its GEMMs.
 _EPILOGUE_BARRIER = 1  # + warp group index when each group stores its own rows (wg_epilogue)
 _SCHED_BARRIER_BASE = 4
+_SPLIT_BARRIER = 8  # consumer warp groups around a tail-split piece's hand-off
 
 _SMEM_BYTES = 227 * 1024
 _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running heads may fill
 _WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themselves
+_MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
+_MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
 
 
 class FlashAttnFwdSm90:
@@ -109,6 +116,9 @@ class FlashAttnFwdSm90:
         # tile's K, V (and Q, when O has its own smem buffer) while the consumers finish the
         # current one. 0: one CTA per tile.
         self.num_sms = num_sms
+        # Tail split (persistent, non-causal only: causal tiles differ in length and run longest
+        # first, so their last round is short anyway). The host decides per call (tail_split_plan).
+        self.splits_tail = num_sms > 0 and not causal
         # Q stages: with two, the producer loads the next tile's Q while this one runs.
         self.q_stages = q_stages
         self.separate_o = (
@@ -225,6 +235,19 @@ class FlashAttnFwdSm90:
             config.update(q_stages=2, wg_epilogue=True)
         return config
 
+    @staticmethod
+    def tail_split_plan(num_tiles: int, num_n_blocks: int, num_sms: int) -> tuple[int, int]:
+        """(split_tiles, splits) for one call of a tail-splitting kernel: the last `split_tiles`
+        tiles of the walk run as `splits` pieces each, side by side on SMs that the last round
+        would leave idle. (0, 1) when that round is full, or too full to split, or the pieces
+        would be shorter than _MIN_PIECE_BLOCKS K/V blocks. The workspace holds
+        split_tiles * splits pieces, never more than num_sms."""
+        leftover = num_tiles % num_sms
+        if leftover == 0:
+            return 0, 1
+        splits = min(num_sms // leftover, num_n_blocks // _MIN_PIECE_BLOCKS, _MAX_SPLITS)
+        return (leftover, splits) if splits >= 2 else (0, 1)
+
     # ------------------------------------------------------------------ host entry
 
     @cute.jit
@@ -235,9 +258,18 @@ class FlashAttnFwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mOpiece: cute.Tensor,
+        mLSEpiece: cute.Tensor,
+        mPieceCount: cute.Tensor,
         softmax_scale: cutlass.Float32,
+        split_tiles: Int32,
+        splits: Int32,
         stream: cuda.CUstream,
     ):
+        """mOpiece (pieces, tile_m, head_dim) and mLSEpiece (pieces, tile_m), float32, and
+        mPieceCount (split_tiles or more,), int32 and zero (the kernel leaves it zero again), are
+        the tail split's workspace (tail_split_plan says how much; ignored when split_tiles is 0,
+        and by kernels that never split)."""
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
         # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
         mQ, mK, mO = [
@@ -297,16 +329,20 @@ class FlashAttnFwdSm90:
             sO: cute.struct.Align[
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_stage_layout) if self.separate_o else 0], 1024
             ]
+            pieces_done: cute.struct.MemRange[Int32, 1]  # the tail split's counter, read back
 
-        num_tiles = self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
-        grid_x = num_tiles
+        num_units = self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
+        if const_expr(self.splits_tail):
+            num_units += split_tiles * (splits - 1)
+        grid_x = num_units
         if const_expr(self.num_sms > 0):
-            grid_x = cutlass.min(num_tiles, self.num_sms)
+            grid_x = cutlass.min(num_units, self.num_sms)
         softmax_scale_log2 = softmax_scale * Float32(LOG2_E)
         gmem_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dtype, 128, self.head_dim)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, gmem_copy_O,
-            mLSE, softmax_scale_log2, tiled_mma_qk, tiled_mma_pv,
+            mLSE, mOpiece, mLSEpiece, mPieceCount, split_tiles, splits, softmax_scale_log2,
+            tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sVt_layout, SharedStorage,
         ).launch(
             grid=[grid_x, 1, 1],
@@ -326,6 +362,8 @@ class FlashAttnFwdSm90:
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
         mO_gmem: cute.Tensor, gmem_copy_O: cute.TiledCopy,
         mLSE: cute.Tensor,
+        mOpiece: cute.Tensor, mLSEpiece: cute.Tensor, mPieceCount: cute.Tensor,
+        split_tiles: Int32, splits: Int32,
         softmax_scale_log2: Float32,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -365,6 +403,8 @@ class FlashAttnFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
+        split = SimpleNamespace(tiles=split_tiles, splits=splits, mO=mOpiece, mLSE=mLSEpiece,
+                                mCount=mPieceCount, done=storage.pieces_done.get_tensor(cute.make_layout(1)))
         sO = sQ
         if const_expr(self.separate_o):
             sQ_stage_layout = cute.slice_(sQ_layout, (None, None, 0))
@@ -375,13 +415,14 @@ class FlashAttnFwdSm90:
             if warp_idx == 0:
                 self.load(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v,
+                    pipeline_q, pipeline_k, pipeline_v, split,
                 )
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
+                split,
             )
 
     # ------------------------------------------------------------------ tile order
@@ -425,9 +466,9 @@ class FlashAttnFwdSm90:
         return m_block, head, batch
 
     @cute.jit
-    def tile_of_round(self, round_idx: Int32) -> Int32:
-        """This CTA's tile index in round `round_idx` of a persistent walk (one CTA per tile: round
-        0 only). With the per-head causal order, odd rounds run backwards (a snake), so a CTA
+    def unit_of_round(self, round_idx: Int32) -> Int32:
+        """This CTA's unit of work in round `round_idx` of a persistent walk (one CTA per tile:
+        round 0 only). Units are tiles, then the tail split's pieces (unit_work). With the per-head causal order, odd rounds run backwards (a snake), so a CTA
         that got one of a round's first, longest tiles gets one of the next round's last,
         shortest: with a grid that is a multiple of the m_blocks per head, a plain stride hands
         each CTA the same m_block every round (measured: d64 causal 2k 245 vs 384 TFLOP/s). The
@@ -444,27 +485,56 @@ class FlashAttnFwdSm90:
     def num_tiles(self, seqlen_q, num_heads, num_batch):
         return cute.ceil_div(seqlen_q, self.tile_m) * num_heads * num_batch
 
+    def num_units(self, seqlen_q, num_heads, num_batch, split):
+        units = self.num_tiles(seqlen_q, num_heads, num_batch)
+        if const_expr(self.splits_tail):
+            units += split.tiles * (split.splits - 1)
+        return units
+
+    @cute.jit
+    def unit_work(self, unit: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_batch: Int32,
+                  block_ranges: BlockRanges, split):
+        """What unit `unit` of the walk computes: (m_block, head, batch), the K/V blocks
+        [n_block_min, n_block_max) and `piece`, -1 for a whole tile. The last split.tiles tiles
+        come as split.splits units each, piece p taking the p-th share of the blocks."""
+        tile = unit
+        piece = Int32(-1)
+        if const_expr(self.splits_tail):
+            whole_tiles = self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles
+            if unit >= whole_tiles:
+                in_tail = unit - whole_tiles
+                tile = whole_tiles + in_tail // split.splits
+                piece = in_tail - (in_tail // split.splits) * split.splits
+        m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
+        n_block_min, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        if const_expr(self.splits_tail):
+            if piece >= 0:
+                n_blocks = n_block_max
+                n_block_min = piece * n_blocks // split.splits
+                n_block_max = (piece + 1) * n_blocks // split.splits
+        return m_block, head, batch, n_block_min, n_block_max, piece
+
     # ------------------------------------------------------------------ producer
 
     @cute.jit
     def load(
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-        pipeline_q, pipeline_k, pipeline_v,
+        pipeline_q, pipeline_k, pipeline_v, split,
     ):
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
         round_idx = Int32(0)
-        tile = self.tile_of_round(round_idx)
-        while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
-            n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
-                tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges
+        unit = self.unit_of_round(round_idx)
+        while unit < self.num_units(seqlen_q, num_heads, num_batch, split):
+            n_block_min, n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
+                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
             )
             load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
             load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
 
-            if n_block_max > 0:
+            if n_block_max > n_block_min:
                 # With one Q stage, K first: Q's buffer may still hold the previous tile (or its
                 # O) until the consumers release it.
                 if const_expr(self.q_stages == 1):
@@ -477,35 +547,37 @@ class FlashAttnFwdSm90:
                     load_K(n_block_max - 1, kv_state)
                 if const_expr(self.prefetch_next):
                     self.prefetch_tile(
-                        self.tile_of_round(round_idx + 1), tma_atom_Q, mQ, tma_atom_K, mK,
-                        tma_atom_V, mVt, sQ, sK, sVt, block_ranges,
+                        self.unit_of_round(round_idx + 1), tma_atom_Q, mQ, tma_atom_K, mK,
+                        tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split,
                     )
                 if const_expr(self.intra_wg_overlap):
                     # Consumers want K of block j before V of block j+1: issue in that order.
-                    for i in cutlass.range(n_block_max - 1, unroll=1):
+                    for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                         n_block = n_block_max - 2 - i
                         state_prev = kv_state.clone()
                         kv_state.advance()
                         load_K(n_block, kv_state)
                         load_V(n_block + 1, state_prev)
-                    load_V(0, kv_state)
+                    load_V(n_block_min, kv_state)
                 else:
                     load_V(n_block_max - 1, kv_state)
-                    for i in cutlass.range(n_block_max - 1, unroll=1):
+                    for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
                         n_block = n_block_max - 2 - i
                         kv_state.advance()
                         load_K(n_block, kv_state)
                         load_V(n_block, kv_state)
                 kv_state.advance()
             round_idx += 1
-            tile = self.tile_of_round(round_idx)
+            unit = self.unit_of_round(round_idx)
 
-    def tile_views(self, tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges):
-        """n_block_max and the TMA (smem, gmem) views of Q and of K, V by n_block for one tile."""
+    def tile_views(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split):
+        """The K/V blocks [n_block_min, n_block_max) of one unit of the walk and the TMA (smem,
+        gmem) views of its Q and of K, V by n_block."""
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
-        m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
+        m_block, head, batch, n_block_min, n_block_max, _ = self.unit_work(
+            unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+        )
         head_kv = head // (num_heads // mK.shape[2])
-        _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
@@ -514,17 +586,18 @@ class FlashAttnFwdSm90:
             cpasync.tma_partition(atom, 0, no_mcast, cute.group_modes(sX, 0, 2), cute.group_modes(gX, 0, 2))
             for atom, sX, gX in ((tma_atom_Q, sQ, gQ), (tma_atom_K, sK, gK), (tma_atom_V, sVt, gVt))
         ]
-        return n_block_max, views[0], views[1], views[2]
+        return n_block_min, n_block_max, views[0], views[1], views[2]
 
     @cute.jit
-    def prefetch_tile(self, tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges):
-        """Warm L2 with Q and the first K, V block of `tile` (this CTA's next one) while the current
+    def prefetch_tile(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges,
+                      split):
+        """Warm L2 with Q and the first K, V block of `unit` (this CTA's next one) while the current
         one runs, so the next tile does not start with a DRAM round trip."""
-        if tile < self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3]):
-            n_block_max, (_, tQgQ), (_, tKgK), (_, tVgV) = self.tile_views(
-                tile, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges
+        if unit < self.num_units(mQ.shape[0], mQ.shape[2], mQ.shape[3], split):
+            n_block_min, n_block_max, (_, tQgQ), (_, tKgK), (_, tVgV) = self.tile_views(
+                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
             )
-            if n_block_max > 0:
+            if n_block_max > n_block_min:
                 cute.prefetch(tma_atom_Q, tQgQ)
                 cute.prefetch(tma_atom_K, tKgK[None, n_block_max - 1])
                 cute.prefetch(tma_atom_V, tVgV[None, n_block_max - 1])
@@ -539,7 +612,7 @@ class FlashAttnFwdSm90:
     @cute.jit
     def mma(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
-        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2,
+        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -579,10 +652,11 @@ class FlashAttnFwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
         round_idx = Int32(0)
-        tile = self.tile_of_round(round_idx)
-        while tile < self.num_tiles(seqlen_q, num_heads, num_batch):
-            m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
-            _, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        unit = self.unit_of_round(round_idx)
+        while unit < self.num_units(seqlen_q, num_heads, num_batch, split):
+            m_block, head, batch, n_block_min, n_block_max, piece = self.unit_work(
+                unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+            )
             acc_O.fill(0.0)
             softmax.reset()
             c = SimpleNamespace(
@@ -591,32 +665,44 @@ class FlashAttnFwdSm90:
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_state.index,
             )
-            if n_block_max > 0:
+            if n_block_max > n_block_min:
                 pipeline_q.consumer_wait(q_state)
-                kv_state = self.mainloop(c, kv_state, n_block_max, block_ranges)
+                kv_state = self.mainloop(c, kv_state, n_block_min, n_block_max, block_ranges)
                 if const_expr(self.separate_o):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
             softmax.rescale_O(acc_O, softmax.finalize())
             # O through its own buffer, or through this tile's stage of Q's.
             sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_state.index]
-            self.epilogue(acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO, mO_gmem,
-                          gmem_copy_O, mLSE, tidx, wg_idx, m_block, head, batch, seqlen_q)
-            if n_block_max > 0:
+            store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
+                            mO_gmem, gmem_copy_O, mLSE, tidx, wg_idx, m_block, head, batch, seqlen_q)
+            if const_expr(self.splits_tail):
+                complete = piece < 0
+                if piece >= 0:
+                    tail_units = split.tiles * split.splits
+                    slot = unit - (self.num_units(seqlen_q, num_heads, num_batch, split) - tail_units)
+                    complete = self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, piece, split)
+                if complete:
+                    store()
+            else:
+                store()
+            if n_block_max > n_block_min:
                 if const_expr(not self.separate_o):
                     # O went out through Q's buffer; the epilogue waited until TMA had read it.
                     pipeline_q.consumer_release(q_state)
                 q_state.advance()
             round_idx += 1
-            tile = self.tile_of_round(round_idx)
+            unit = self.unit_of_round(round_idx)
 
     @cute.jit
-    def mainloop(self, c, kv_state, n_block_max, block_ranges):
-        """Algorithm 1's inner loop over the K/V blocks of one tile, last block first."""
+    def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):
+        """Algorithm 1's inner loop over the K/V blocks [n_block_min, n_block_max) of one unit,
+        last block first."""
         n_block_causal = n_block_max
         if const_expr(self.causal):
             n_block_causal = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
-        # Blocks [0, n_block_unmasked) need no mask; the last block is always masked.
+        # Blocks [n_block_min, n_block_unmasked) need no mask; the last block is always masked (a
+        # piece's last block is inside seqlen_k unless the piece ends the row: masking is harmless).
         n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
         if const_expr(self.intra_wg_overlap):
             # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM.
@@ -632,7 +718,7 @@ class FlashAttnFwdSm90:
             if const_expr(self.causal):
                 for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
                     kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
-            for i in cutlass.range(n_block_unmasked, unroll=1):
+            for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
                 kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
             if const_expr(self.rescale_o_early):
                 c.softmax.rescale_O(c.acc_O, c.row_scale)
@@ -645,7 +731,7 @@ class FlashAttnFwdSm90:
             kv_state = self.one_block_serial(c, kv_state, n_block_max - 1, True, self.causal, True)
             for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
                 kv_state = self.one_block_serial(c, kv_state, n_block_max - 2 - i, False, True, False)
-            for i in cutlass.range(n_block_unmasked, unroll=1):
+            for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
                 kv_state = self.one_block_serial(
                     c, kv_state, n_block_unmasked - 1 - i, False, False, False
                 )
@@ -736,6 +822,55 @@ class FlashAttnFwdSm90:
     def mask(self, c, n_block, mask_seqlen: bool, mask_causal: bool):
         apply_mask(c.acc_S, c.thr_qk, self.tile_m, self.tile_n, c.m_block, n_block,
                    c.seqlen_q, c.seqlen_k, mask_seqlen, mask_causal)
+
+    # ------------------------------------------------------------------ tail split
+
+    @cute.jit
+    def merge_pieces(self, acc_O, lse, tOcO_mn, tidx, slot, piece, split) -> cutlass.Boolean:
+        """Hand-off of tail-split piece `piece`, workspace slot `slot`: its normalized O and its
+        LSE go to the workspace, and the CTA that completes the tile's last piece reads every piece
+        back and merges them into acc_O and lse (O = sum_p exp(lse_p - lse) O_p with lse the
+        log-sum-exp of the lse_p). Returns whether this CTA did, and so stores the tile."""
+        acc_O_mn = reshape_acc_to_mn(acc_O)
+        first_slot = slot - piece
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = tOcO_mn[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                split.mO[slot, row, tOcO_mn[r, j][1]] = acc_O_mn[r, j]
+            split.mLSE[slot, row] = lse[r]
+        # Release this piece's writes to the CTA that merges (the classic fence, barrier, atomic).
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
+        if tidx == 0:
+            counter = split.mCount.iterator + slot // split.splits
+            split.done[0] = cute.arch.atomic_add(counter.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
+        cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
+        merges = split.done[0] == split.splits - 1
+        if merges:
+            if tidx == 0:
+                split.mCount[slot // split.splits] = 0  # every piece has counted: ready for the next call
+            cute.arch.fence_acq_rel_gpu()
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = tOcO_mn[r, 0][0]
+                lse_max = -Float32.inf
+                for p in cutlass.range(split.splits, unroll=1):
+                    lse_max = cutlass.max(lse_max, split.mLSE[first_slot + p, row])
+                lse_max = 0.0 if lse_max == -Float32.inf else lse_max
+                weight_sum = Float32(0.0)
+                for p in cutlass.range(split.splits, unroll=1):
+                    weight_sum += cute.math.exp2((split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True)
+                # A row no piece saw a key of keeps the kernel's convention: O = 0, LSE = -inf.
+                no_key = weight_sum == 0.0
+                inv_weight_sum = 0.0 if no_key else cute.arch.rcp_approx(weight_sum)
+                acc_O_mn[r, None].fill(0.0)
+                for p in cutlass.range(split.splits, unroll=1):
+                    weight = cute.math.exp2(
+                        (split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True
+                    ) * inv_weight_sum
+                    for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                        acc_O_mn[r, j] += weight * split.mO[first_slot + p, row, tOcO_mn[r, j][1]]
+                lse[r] = -Float32.inf if no_key else lse_max + cute.math.log2(weight_sum, fastmath=True) * math.log(2.0)
+        return merges
 
     # ------------------------------------------------------------------ epilogue
 

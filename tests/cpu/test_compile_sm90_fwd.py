@@ -13,7 +13,7 @@ import cutlass
 from cute_flash import compile_report as compile_report_module
 from cute_flash.compile_report import compile_report
 from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
-from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream
+from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream, fake_tail_split_workspace
 
 VARIANTS = [
     (cutlass.BFloat16, 64, False, None),
@@ -41,7 +41,8 @@ VARIANTS = [
 def _fake_args(dtype, head_dim):
     return (
         fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim),
-        fake_bshd(dtype, head_dim), fake_rowstat(), cutlass.Float32(1.0), fake_stream(),
+        fake_bshd(dtype, head_dim), fake_rowstat(), *fake_tail_split_workspace(head_dim),
+        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), fake_stream(),
     )
 
 
@@ -85,3 +86,17 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
             for short in (False, True):
                 tiles = dict(tiles, **FlashAttnFwdSm90.length_config(head_dim, causal, short, 132))
                 assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
+
+
+def test_tail_split_plan():
+    plan = FlashAttnFwdSm90.tail_split_plan
+    assert plan(1320, 100, 132) == (0, 1)  # ten full rounds: nothing to split
+    assert plan(1376, 100, 132) == (56, 2)  # 56 tiles left for 132 SMs: two pieces each
+    assert plan(1408, 100, 132) == (0, 1)  # 88 left: two pieces each would not fit one round
+    assert plan(10, 100, 132) == (10, 4)  # fewer tiles than SMs: at most four pieces
+    assert plan(10, 5, 132) == (10, 2)  # pieces keep at least two K/V blocks
+    assert plan(10, 3, 132) == (0, 1)
+    for tiles in range(1, 600):
+        split_tiles, splits = plan(tiles, 64, 132)
+        assert split_tiles * splits <= 132 and split_tiles <= tiles
+        assert (split_tiles, splits) == (0, 1) or (split_tiles == tiles % 132 and 2 <= splits <= 4)

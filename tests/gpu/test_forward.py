@@ -134,6 +134,32 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
     assert_forward_close(out, lse, q, k, v, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,batch,seqlens,nheads,nheads_kv", [
+    (128, 1, (2200, 3001), 64, 64),   # 12 x 64 = 768 tiles of 192 rows: 108 left over, no split
+    (128, 1, (2300, 3001), 58, 29),   # 12 x 58 = 696 tiles: the last 36 run as 3 pieces each
+    (64, 2, (3000, 2500), 5, 1),      # 16 x 10 = 160 tiles: the last 28 run as 4 pieces each
+    (128, 1, (5000, 6000), 1, 1),     # fewer tiles than SMs: each one in 4 pieces
+    (64, 3, (300, 4100), 2, 2),       # short query, long keys: 12 tiles, 4 pieces each
+])
+def test_tail_split(family, dtype, head_dim, batch, seqlens, nheads, nheads_kv):
+    """Long non-causal problems run persistent CTAs whose last, partial round of tiles is cut along
+    the keys into pieces that merge through a global workspace (kernels/sm90/fwd.py:
+    tail_split_plan, merge_pieces). The piece counters are left at zero for the next call."""
+    from cute_flash import forward_sm90
+
+    torch.manual_seed(head_dim + seqlens[0])
+    sq, sk = seqlens
+    assert not dispatch.is_short(sk, False)
+    q = randn(batch, sq, nheads, head_dim, dtype=dtype)
+    k, v = randn(batch, sk, nheads_kv, head_dim, dtype=dtype), randn(batch, sk, nheads_kv, head_dim, dtype=dtype)
+    for _ in range(2):  # the second call reuses the counters the first one left behind
+        out, lse = run_forward(q, k, v, False)
+        assert_forward_close(out, lse, q, k, v, False)
+    for counters in forward_sm90._counters.values():
+        assert int(counters.abs().sum()) == 0
+
+
 def test_one_compile_serves_every_length(family):
     from cute_flash import cache
 
@@ -148,7 +174,9 @@ def test_one_compile_serves_every_length(family):
 
 
 def test_forward_memory_is_linear_in_seqlen(family):
-    """B=1, H=8, N=16384, D=64 fp16: the only extra device memory is O and LSE."""
+    """B=1, H=8, N=16384, D=64 fp16: the only extra device memory is O and LSE, and the tail
+    split's workspace, which does not grow with N: at most one (192 x 64) float32 O tile and its
+    LSE per SM (kernels/sm90/fwd.py: tail_split_plan)."""
     q, k, v = (randn(1, 16384, 8, 64, dtype=torch.float16) for _ in range(3))
     cute_flash.forward(q, k, v)  # compile outside the measurement
     torch.cuda.synchronize()
@@ -158,4 +186,5 @@ def test_forward_memory_is_linear_in_seqlen(family):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     expected = out.numel() * out.element_size() + lse.numel() * lse.element_size()
-    assert extra <= expected + 4096, f"extra memory {extra} B > O + LSE = {expected} B"
+    workspace = dispatch.sm_count() * 192 * (64 + 1) * 4 if family == "native" else 0
+    assert extra <= expected + workspace + 4096, f"extra memory {extra} B > O + LSE + {workspace} B"

@@ -1,0 +1,65 @@
+"""Host side of the sm90 forward: the tail split's plan and workspace for one call.
+
+A persistent non-causal kernel cuts the tiles of its last, partial round into pieces along the
+keys (kernels/sm90/fwd.py, `tail_split_plan`). Per call that takes a float32 workspace for the
+pieces' O and LSE, from torch's caching allocator, and one counter per split tile, which the
+kernel leaves at zero: the counters are allocated once per (device, stream) and reused.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .kernels.sm90.fwd import FlashAttnFwdSm90
+
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+_unused: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+
+def _counters_for(device: torch.device, num_sms: int) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream
+    counters = _counters.get((device.index, stream))
+    if counters is None:
+        # At most num_sms tiles are split (tail_split_plan).
+        counters = _counters[(device.index, stream)] = torch.zeros(num_sms, dtype=torch.int32, device=device)
+    return counters
+
+
+def _unused_workspace(device: torch.device, head_dim: int) -> tuple[torch.Tensor, ...]:
+    workspace = _unused.get((device.index, head_dim))
+    if workspace is None:
+        workspace = _unused[(device.index, head_dim)] = (
+            torch.empty(1, 1, head_dim, dtype=torch.float32, device=device),
+            torch.empty(1, 1, dtype=torch.float32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device),
+        )
+    return workspace
+
+
+def launcher(compiled, config: dict) -> Callable:
+    """`launch(q, k, v, out, lse, softmax_scale)` for a compiled FlashAttnFwdSm90 with init
+    arguments `config`: plans the tail split of this call and passes its workspace."""
+    tile_m, tile_n, head_dim = config["tile_m"], config["tile_n"], config["head_dim"]
+    num_sms = config.get("num_sms", 0)
+    splits_tail = num_sms > 0 and not config["causal"]
+
+    def launch(q, k, v, out, lse, softmax_scale):
+        split_tiles, splits = 0, 1
+        if splits_tail:
+            batch, seqlen_q, heads, _ = q.shape
+            num_tiles = -(-seqlen_q // tile_m) * heads * batch
+            split_tiles, splits = FlashAttnFwdSm90.tail_split_plan(num_tiles, -(-k.shape[1] // tile_n), num_sms)
+        if split_tiles:
+            pieces = split_tiles * splits
+            workspace = (
+                torch.empty(pieces, tile_m, head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(pieces, tile_m, dtype=torch.float32, device=q.device),
+                _counters_for(q.device, num_sms),
+            )
+        else:
+            workspace = _unused_workspace(q.device, head_dim)
+        compiled(q, k, v, out, lse, *workspace, softmax_scale, split_tiles, splits)
+
+    return launch
