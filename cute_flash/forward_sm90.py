@@ -22,7 +22,7 @@ def _counters_for(device: torch.device, num_sms: int) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream
     counters = _counters.get((device.index, stream))
     if counters is None:
-        # At most num_sms tiles are split (tail_split_plan).
+        # Only tiles of the last round are split: fewer than num_sms (tail_split_plan).
         counters = _counters[(device.index, stream)] = torch.zeros(num_sms, dtype=torch.int32, device=device)
     return counters
 

@@ -238,15 +238,21 @@ class FlashAttnFwdSm90:
     @staticmethod
     def tail_split_plan(num_tiles: int, num_n_blocks: int, num_sms: int) -> tuple[int, int]:
         """(split_tiles, splits) for one call of a tail-splitting kernel: the last `split_tiles`
-        tiles of the walk run as `splits` pieces each, side by side on SMs that the last round
-        would leave idle. (0, 1) when that round is full, or too full to split, or the pieces
-        would be shorter than _MIN_PIECE_BLOCKS K/V blocks. The workspace holds
-        split_tiles * splits pieces, never more than num_sms."""
+        tiles of the walk (those past the last full round) run as `splits` pieces each, side by
+        side on the SMs that round would leave idle. `splits` minimizes the pieces' rounds times
+        their length (ceil(split_tiles * splits / num_sms) / splits of a tile), ties to fewer
+        pieces; (0, 1) when no split shortens the round, when pieces would be shorter than
+        _MIN_PIECE_BLOCKS K/V blocks, or when the workspace would need more than 2 * num_sms
+        pieces."""
         leftover = num_tiles % num_sms
-        if leftover == 0:
-            return 0, 1
-        splits = min(num_sms // leftover, num_n_blocks // _MIN_PIECE_BLOCKS, _MAX_SPLITS)
-        return (leftover, splits) if splits >= 2 else (0, 1)
+        best, best_rounds = 1, 1.0
+        for splits in range(2, min(_MAX_SPLITS, num_n_blocks // _MIN_PIECE_BLOCKS) + 1):
+            if leftover * splits > 2 * num_sms:
+                break
+            rounds = -(-leftover * splits // num_sms) / splits
+            if rounds < best_rounds:
+                best, best_rounds = splits, rounds
+        return (leftover, best) if leftover and best > 1 else (0, 1)
 
     # ------------------------------------------------------------------ host entry
 
