@@ -238,21 +238,16 @@ class FlashAttnFwdSm90:
     @staticmethod
     def tail_split_plan(num_tiles: int, num_n_blocks: int, num_sms: int) -> tuple[int, int]:
         """(split_tiles, splits) for one call of a tail-splitting kernel: the last `split_tiles`
-        tiles of the walk (those past the last full round) run as `splits` pieces each, side by
-        side on the SMs that round would leave idle. `splits` minimizes the pieces' rounds times
-        their length (ceil(split_tiles * splits / num_sms) / splits of a tile), ties to fewer
-        pieces; (0, 1) when no split shortens the round, when pieces would be shorter than
-        _MIN_PIECE_BLOCKS K/V blocks, or when the workspace would need more than 2 * num_sms
-        pieces."""
+        tiles of the walk (those past the last full round) run as `splits` pieces each, all at
+        once on the SMs that round would leave idle. (0, 1) when the round is full, or too full
+        for two pieces per tile, or when pieces would be shorter than _MIN_PIECE_BLOCKS K/V
+        blocks. Measured (perf/NOTES.md): pieces over two rounds lost 7-13% (per-piece prologue
+        and merge, and an H100 that clocks up while SMs idle), so they all fit one."""
         leftover = num_tiles % num_sms
-        best, best_rounds = 1, 1.0
-        for splits in range(2, min(_MAX_SPLITS, num_n_blocks // _MIN_PIECE_BLOCKS) + 1):
-            if leftover * splits > 2 * num_sms:
-                break
-            rounds = -(-leftover * splits // num_sms) / splits
-            if rounds < best_rounds:
-                best, best_rounds = splits, rounds
-        return (leftover, best) if leftover and best > 1 else (0, 1)
+        if leftover == 0:
+            return 0, 1
+        splits = min(num_sms // leftover, num_n_blocks // _MIN_PIECE_BLOCKS, _MAX_SPLITS)
+        return (leftover, splits) if splits >= 2 else (0, 1)
 
     # ------------------------------------------------------------------ host entry
 

@@ -91,15 +91,12 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
 def test_tail_split_plan():
     plan = FlashAttnFwdSm90.tail_split_plan
     assert plan(1320, 100, 132) == (0, 1)  # ten full rounds: nothing to split
-    assert plan(1376, 100, 132) == (56, 2)  # 56 tiles left for 132 SMs: two pieces each, one round
-    assert plan(1408, 100, 132) == (88, 3)  # 88 left: three pieces each, two rounds of a third
-    assert plan(1432, 100, 132) == (0, 1)  # 112 left: no split shortens the round
+    assert plan(1376, 100, 132) == (56, 2)  # 56 tiles left for 132 SMs: two pieces each
+    assert plan(1408, 100, 132) == (0, 1)  # 88 left: two pieces each would take two rounds
     assert plan(10, 100, 132) == (10, 4)  # fewer tiles than SMs: at most four pieces
     assert plan(10, 5, 132) == (10, 2)  # pieces keep at least two K/V blocks
     assert plan(10, 3, 132) == (0, 1)
     for tiles in range(1, 600):
         split_tiles, splits = plan(tiles, 64, 132)
-        assert split_tiles * splits <= 2 * 132 and split_tiles <= tiles
-        if (split_tiles, splits) != (0, 1):
-            assert split_tiles == tiles % 132 and 2 <= splits <= 4
-            assert -(-split_tiles * splits // 132) < splits  # the last round got shorter
+        assert split_tiles * splits <= 132 and split_tiles <= tiles
+        assert (split_tiles, splits) == (0, 1) or (split_tiles == tiles % 132 and 2 <= splits <= 4)

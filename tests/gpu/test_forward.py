@@ -137,7 +137,6 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim,batch,seqlens,nheads,nheads_kv", [
     (128, 1, (2200, 3001), 64, 64),   # 12 x 64 = 768 tiles of 192 rows: 108 left over, no split
-    (128, 1, (2200, 3001), 62, 62),   # 744 tiles: the last 84 run as 3 pieces each, in two rounds
     (128, 1, (2300, 3001), 58, 29),   # 12 x 58 = 696 tiles: the last 36 run as 3 pieces each
     (64, 2, (3000, 2500), 5, 1),      # 16 x 10 = 160 tiles: the last 28 run as 4 pieces each
     (128, 1, (5000, 6000), 1, 1),     # fewer tiles than SMs: each one in 4 pieces
@@ -176,8 +175,8 @@ def test_one_compile_serves_every_length(family):
 
 def test_forward_memory_is_linear_in_seqlen(family):
     """B=1, H=8, N=16384, D=64 fp16: the only extra device memory is O and LSE, and the tail
-    split's workspace, which does not grow with N: at most two (192 x 64) float32 O tiles and
-    their LSE per SM (kernels/sm90/fwd.py: tail_split_plan)."""
+    split's workspace, which does not grow with N: at most one (192 x 64) float32 O tile and its
+    LSE per SM (kernels/sm90/fwd.py: tail_split_plan)."""
     q, k, v = (randn(1, 16384, 8, 64, dtype=torch.float16) for _ in range(3))
     cute_flash.forward(q, k, v)  # compile outside the measurement
     torch.cuda.synchronize()
@@ -187,5 +186,5 @@ def test_forward_memory_is_linear_in_seqlen(family):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     expected = out.numel() * out.element_size() + lse.numel() * lse.element_size()
-    workspace = 2 * dispatch.sm_count() * 192 * (64 + 1) * 4 if family == "native" else 0
+    workspace = dispatch.sm_count() * 192 * (64 + 1) * 4 if family == "native" else 0
     assert extra <= expected + workspace + 4096, f"extra memory {extra} B > O + LSE + {workspace} B"
