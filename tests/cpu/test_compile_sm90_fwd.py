@@ -33,8 +33,8 @@ VARIANTS = [
                                        wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80.
-    (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3)),
-    (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3)),
+    (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
+    (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
 ]
 
 
