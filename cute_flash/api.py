@@ -96,12 +96,12 @@ _forward_kernels: dict[tuple, object] = {}
 tensors and hashes its key, which the per-call path should not pay for."""
 
 
-def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, short: bool):
+def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, length: str):
     capability = dispatch.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, short, dispatch.kernel_family(capability))
+    key = (device.index, dtype, head_dim, causal, length, dispatch.kernel_family(capability))
     launch = _forward_kernels.get(key)
     if launch is None:
-        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, short, dispatch.sm_count(device.index))
+        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, dispatch.sm_count(device.index))
         launch = _forward_kernels[key] = dispatch.forward_launcher(plan)
     return launch
 
@@ -124,8 +124,8 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
-        short = dispatch.is_short(problem.seqlen_k, bool(causal))
-        launch = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), short)
+        length = dispatch.length_class(problem.seqlen_k, bool(causal))
+        launch = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), length)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         launch(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)

@@ -39,10 +39,12 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
 
     if pass_name == "fwd":
         builds = {}
-        for short in (False, True):  # a kernel may launch differently for short sequences
-            plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal, short)
+        # A kernel may launch differently per length class; the first class that launches a
+        # kernel names it (long, then short, then mid).
+        for length in sorted(dispatch.length_classes(causal), key=("long", "short", "mid").index):
+            plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal, length)
             family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
-            label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'/short' if short else ''}"
+            label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'' if length == 'long' else '/' + length}"
             builds.setdefault(plan.key, (label, plan.key, plan.build, KEY_INSTRUCTIONS[family]))
         return list(builds.values())
     from .backward_sm80 import backward_builds

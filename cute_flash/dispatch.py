@@ -100,15 +100,22 @@ def _forward_classes(family: str):
     return (FlashAttnFwdSm80,)
 
 
-# Problems with at most this many keys are "short": kernels may pick other launch settings for
-# them (FlashAttnFwdSm90.length_config). The only way lengths reach a compile key. Causal problems
-# stay short for longer: the persistent causal kernel still gains 2-9% at 4k keys (perf/NOTES.md).
+# Length classes, the only way lengths reach a compile key: kernels may pick other launch settings
+# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_SEQLEN_K keys are "short";
+# causal ones up to MID_SEQLEN_K_CAUSAL keys are "mid", where the persistent causal kernel still
+# gains 2-9% (perf/NOTES.md) but wants other tiles than at 2k keys; the rest are "long".
 SHORT_SEQLEN_K = 2048
-SHORT_SEQLEN_K_CAUSAL = 4096
+MID_SEQLEN_K_CAUSAL = 4096
 
 
-def is_short(seqlen_k: int, causal: bool) -> bool:
-    return seqlen_k <= (SHORT_SEQLEN_K_CAUSAL if causal else SHORT_SEQLEN_K)
+def length_class(seqlen_k: int, causal: bool) -> str:
+    if seqlen_k <= SHORT_SEQLEN_K:
+        return "short"
+    return "mid" if causal and seqlen_k <= MID_SEQLEN_K_CAUSAL else "long"
+
+
+def length_classes(causal: bool) -> tuple[str, ...]:
+    return ("short", "mid", "long") if causal else ("short", "long")
 
 
 def _fake_forward_args(cls, cdtype, head_dim: int) -> tuple:
@@ -131,15 +138,15 @@ def forward_launcher(plan: Plan):
 
 
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                 short: bool = False, num_sms: int | None = None) -> Plan:
-    """The forward kernel for this GPU and problem class. Lengths matter only through `short`
-    (is_short); persistent kernels are sized to `num_sms` (default: the
-    current GPU's, see sm_count)."""
+                 length: str = "long", num_sms: int | None = None) -> Plan:
+    """The forward kernel for this GPU and problem class. Lengths matter only through `length`
+    (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's, see
+    sm_count)."""
     cdtype = cutlass_dtype(dtype)
     for cls in _forward_classes(kernel_family(capability)):
         tiles = cls.default_tiles(cdtype, head_dim, causal)
         if hasattr(cls, "length_config"):
-            tiles.update(cls.length_config(head_dim, causal, short, sm_count() if num_sms is None else num_sms))
+            tiles.update(cls.length_config(head_dim, causal, length, sm_count() if num_sms is None else num_sms))
         if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
             return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), _fake_forward_args(cls, cdtype, head_dim),

@@ -198,29 +198,31 @@ class FlashAttnFwdSm90:
         return tiles
 
     @staticmethod
-    def length_config(head_dim: int, causal: bool, short: bool, num_sms: int) -> dict:
-        """Init arguments for a length bucket (`short`: dispatch.is_short, 2048 keys or 4096 causal).
+    def length_config(head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
+        """Init arguments for a length class (dispatch.length_class: "short" up to 2048 keys,
+        "mid" causal up to 4096, "long").
 
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md):
-        * Short: persistent CTAs are 5-24% faster at seqlen 512-2048 for head dims up to 128, where
-          a tile is only a few K/V blocks and the next tile's loads hide behind this one's
-          epilogue, and 0-4% at d192/d256 (causal, with the snake walk of tile_of_round: d128
-          +13-18%, d256 +1-8%). d128 then prefers two K/V stages, which leave room for O's own smem
-          buffer. Causal tiles run longest first within each head ("head"): +19%/+11% at d128
-          512/1k over "l2". Causal d64 switches to 128 x 128 tiles, which waste less of the
-          diagonal block: +8% at 512 and +9% at 1k against 192 x 128 (non-causal: -2% at 1k, -11%
-          at 2k, so not there). d64 also warms L2 with the next tile's first blocks
-          (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores
-          its own rows of O (wg_epilogue: causal d64 +2-4%), and non-causal d64/d128 double-buffer
-          Q (q_stages=2, with wg_epilogue: +2-7% at 512-2k; causal d128 lost 8% at 4k with it; a
-          96-element row does not split into 16-byte pieces over 128 threads).
+        * Short and mid: persistent CTAs are 5-24% faster at seqlen 512-2048 for head dims up to
+          128, where a tile is only a few K/V blocks and the next tile's loads hide behind this
+          one's epilogue, and 0-4% at d192/d256 (causal, with the snake walk of unit_of_round: d128
+          +13-18%, d256 +1-8%, and still +2-9% at 4k). d128 then prefers two K/V stages, which
+          leave room for O's own smem buffer. Causal tiles run longest first within each head
+          ("head"): +19%/+11% at d128 512/1k over "l2". Short causal d64 switches to 128 x 128
+          tiles, which waste less of the diagonal block: +8% at 512 and +9% at 1k against
+          192 x 128 (-2% at 2k, +5% for 192 x 128 at 4k: so "mid" keeps them; non-causal: -2% at
+          1k, -11% at 2k). d64 also warms L2 with the next tile's first blocks (prefetch_next):
+          +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores its own rows of O
+          (wg_epilogue) and Q is double-buffered (q_stages=2): non-causal d64/d128 +2-7% at
+          512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k, causal d64 (wg_epilogue only) +2-4%;
+          a 96-element row does not split into 16-byte pieces over 128 threads.
         * Long: one CTA per tile, except non-causal d64 and d128. d64 stays persistent with the
           prefetch: +3% at 4k, within 1% at 8k-16k. d128 runs 192 x 80 tiles (three consumer warp
           groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA per
           tile (slower when causal, or short). Causal persistent walks lose here: at 16k causal
           d128 427 vs 636 TFLOP/s (CTAs that race ahead spread over many heads' K/V in L2).
         """
-        if not short:
+        if length == "long":
             if causal:
                 return {}
             if head_dim <= 64:
@@ -232,13 +234,13 @@ class FlashAttnFwdSm90:
         if causal:
             config["lpt"] = "head"
         if 96 < head_dim <= 128:
-            config["num_stages"] = 2
+            config.update(num_stages=2, q_stages=2, wg_epilogue=True)
         if head_dim <= 64:
             config.update(prefetch_next=True, wg_epilogue=True)
-            if causal:
+            if causal and length == "short":
                 config.update(tile_m=128, tile_n=128)
-        if not causal and head_dim in (64, 128):
-            config.update(q_stages=2, wg_epilogue=True)
+            if not causal:
+                config.update(q_stages=2)
         return config
 
     @staticmethod

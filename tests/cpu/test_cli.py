@@ -20,7 +20,8 @@ def test_check_reports_resources_and_instructions(capsys, arch, family, instruct
     out = capsys.readouterr().out
     assert code == 0, out
     rows = [line for line in out.splitlines() if line.startswith("fwd/")]
-    # causal and not; the sm90 family also launches short sequences persistently (another kernel)
+    # causal and not; the sm90 family also launches short sequences persistently (another kernel;
+    # d128's "mid" causal kernel is its short one)
     expected = 4 if family == "sm90" else 2
     assert len(rows) == expected and all(f"fwd/{family}/bfloat16/d128" in r for r in rows)
     assert sorted(r.split()[0] for r in rows if "/short" in r) == (

@@ -32,6 +32,11 @@ VARIANTS = [
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
                                        wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2)),
+    # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
+    (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
+                                       q_stages=2)),
+    (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
+                                      wg_epilogue=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
     (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
@@ -81,10 +86,10 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
     assert not FlashAttnFwdSm90.can_implement(cutlass.BFloat16, 96, False, wg_epilogue=True)
     for head_dim in (64, 96, 128, 192, 256):
         for causal in (False, True):
-            tiles = FlashAttnFwdSm90.default_tiles(cutlass.BFloat16, head_dim, causal)
-            assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
-            for short in (False, True):
-                tiles = dict(tiles, **FlashAttnFwdSm90.length_config(head_dim, causal, short, 132))
+            base = FlashAttnFwdSm90.default_tiles(cutlass.BFloat16, head_dim, causal)
+            assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **base)
+            for length in ("short", "mid", "long") if causal else ("short", "long"):
+                tiles = dict(base, **FlashAttnFwdSm90.length_config(head_dim, causal, length, 132))
                 assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
 
 

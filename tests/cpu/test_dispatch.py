@@ -48,19 +48,24 @@ def test_sm90_serves_its_head_dims_and_sm80_the_rest(monkeypatch):
 
 
 def test_length_buckets_reach_the_sm90_launch_settings():
-    assert dispatch.is_short(2048, False) and not dispatch.is_short(2049, False)
-    assert dispatch.is_short(4096, True) and not dispatch.is_short(4097, True)
-    short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, short=True, num_sms=132).init_kwargs)
-    long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, short=False, num_sms=132).init_kwargs)
+    classes = [dispatch.length_class(n, causal) for causal in (False, True) for n in (2048, 2049, 4096, 4097)]
+    assert classes == ["short", "long", "long", "long", "short", "mid", "mid", "long"]
+    short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="short", num_sms=132).init_kwargs)
+    long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="long", num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
     assert long.get("num_sms", 0) == 0 and long["num_stages"] == 3 and long["lpt"] == "l2"
     # Long non-causal d128: 192 x 80 tiles, persistent; d64: next tile's blocks prefetched (short,
     # and long non-causal).
-    long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, short=False, num_sms=132).init_kwargs)
+    long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, length="long", num_sms=132).init_kwargs)
     assert (long_full["tile_m"], long_full["tile_n"], long_full["num_sms"]) == (192, 80, 132)
     for causal in (False, True):
-        short64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, short=True, num_sms=132).init_kwargs)
+        short64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, length="short", num_sms=132).init_kwargs)
         assert short64["prefetch_next"] and short64["num_sms"] == 132
-        long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, short=False, num_sms=132).init_kwargs)
+        long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, length="long", num_sms=132).init_kwargs)
         assert long64.get("prefetch_next", False) == (not causal)
         assert short64["wg_epilogue"] and short64.get("q_stages", 1) == (1 if causal else 2)
+    # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
+    for length, tile_m in (("short", 128), ("mid", 192), ("long", 192)):
+        plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, True, length=length, num_sms=132).init_kwargs)
+        assert plan["tile_m"] == tile_m and (plan.get("num_sms", 0) == 132) == (length != "long")
+    assert short["q_stages"] == 2 and short["wg_epilogue"]

@@ -93,16 +93,28 @@ def test_fp32_inputs_raise_typed_error_before_writing():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_long_sequences(family, head_dim, causal):
-    """Past the short bucket (dispatch.is_short: 2048 keys, 4096 when causal) the sm90 forward
-    launches one CTA per tile instead of persistent CTAs: a second kernel, checked here at an
-    unaligned length on each side."""
+    """Past 2048 keys (4096 when causal: dispatch.length_class) the sm90 forward launches other
+    kernels than for short problems, checked here at an unaligned length on each side."""
     torch.manual_seed(head_dim + causal)
     sq, sk = (4095, 4177) if causal else (2047, 2113)
-    assert not dispatch.is_short(sk, causal) and dispatch.is_short(sq, causal)
+    assert dispatch.length_class(sk, causal) == "long" and dispatch.length_class(sq, causal) != "long"
     q = randn(1, sq, 2, head_dim, dtype=torch.bfloat16)
     k, v = randn(1, sk, 2, head_dim, dtype=torch.bfloat16), randn(1, sk, 2, head_dim, dtype=torch.bfloat16)
     out, lse = run_forward(q, k, v, causal)
     assert_forward_close(out, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mid_causal(family, head_dim):
+    """Causal problems with 2049-4096 keys ("mid", dispatch.length_class) run persistent CTAs on
+    their own tiles (causal d64: 192 rows instead of 128), here with more tiles than SMs."""
+    torch.manual_seed(head_dim + 11)
+    sq, sk = 3001, 3500
+    assert dispatch.length_class(sk, True) == "mid"
+    q = randn(2, sq, 8, head_dim, dtype=torch.bfloat16)
+    k, v = randn(2, sk, 4, head_dim, dtype=torch.bfloat16), randn(2, sk, 4, head_dim, dtype=torch.bfloat16)
+    out, lse = run_forward(q, k, v, True)
+    assert_forward_close(out, lse, q, k, v, True)
 
 
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
@@ -112,7 +124,7 @@ def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     20k keys of d256), and one head at a time once a head has 128 tiles or more."""
     torch.manual_seed(head_dim)
     sq, sk = seqlens
-    assert not dispatch.is_short(sk, True)
+    assert dispatch.length_class(sk, True) == "long"
     q = randn(1, sq, nheads, head_dim, dtype=torch.bfloat16)
     k, v = randn(1, sk, nheads, head_dim, dtype=torch.bfloat16), randn(1, sk, nheads, head_dim, dtype=torch.bfloat16)
     out, lse = run_forward(q, k, v, True)
@@ -127,7 +139,7 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
     rotate at least once (kernels/sm90/fwd.py: length_config)."""
     torch.manual_seed(head_dim + 7 * causal)
     sq, sk = 1000, 1024
-    assert dispatch.is_short(sk, causal)
+    assert dispatch.length_class(sk, causal) == "short"
     q = randn(4, sq, 16, head_dim, dtype=torch.bfloat16)
     k, v = randn(4, sk, 4, head_dim, dtype=torch.bfloat16), randn(4, sk, 4, head_dim, dtype=torch.bfloat16)
     out, lse = run_forward(q, k, v, causal)
@@ -150,7 +162,7 @@ def test_tail_split(family, dtype, head_dim, batch, seqlens, nheads, nheads_kv):
 
     torch.manual_seed(head_dim + seqlens[0])
     sq, sk = seqlens
-    assert not dispatch.is_short(sk, False)
+    assert dispatch.length_class(sk, False) == "long"
     q = randn(batch, sq, nheads, head_dim, dtype=dtype)
     k, v = randn(batch, sk, nheads_kv, head_dim, dtype=dtype), randn(batch, sk, nheads_kv, head_dim, dtype=dtype)
     for _ in range(2):  # the second call reuses the counters the first one left behind
