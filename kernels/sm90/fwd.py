@@ -214,8 +214,9 @@ class FlashAttnFwdSm90:
           1k, -11% at 2k). d64 also warms L2 with the next tile's first blocks (prefetch_next):
           +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores its own rows of O
           (wg_epilogue) and Q is double-buffered (q_stages=2): non-causal d64/d128 +2-7% at
-          512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k, causal d64 (wg_epilogue only) +2-4%;
-          a 96-element row does not split into 16-byte pieces over 128 threads.
+          512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k; wg_epilogue alone: causal d64 +2-4%,
+          d256 +0-2% at 512-2k (two Q stages do not fit there); 96- and 192-element rows do not
+          split into 16-byte pieces over 128 threads.
         * Long: one CTA per tile, except non-causal d64 and d128. d64 stays persistent with the
           prefetch: +3% at 4k, within 1% at 8k-16k. d128 runs 192 x 80 tiles (three consumer warp
           groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA per
@@ -241,6 +242,8 @@ class FlashAttnFwdSm90:
                 config.update(tile_m=128, tile_n=128)
             if not causal:
                 config.update(q_stages=2)
+        if head_dim > 192:
+            config["wg_epilogue"] = True
         return config
 
     @staticmethod

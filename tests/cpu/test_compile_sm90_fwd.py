@@ -37,6 +37,7 @@ VARIANTS = [
                                        q_stages=2)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
+    (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
     (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
