@@ -120,7 +120,7 @@ def length_classes(causal: bool) -> tuple[str, ...]:
 
 def _fake_forward_args(cls, cdtype, head_dim: int) -> tuple:
     qkvo_lse = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(),)
-    if cls.__name__ == "FlashAttnFwdSm90":  # + the tail split's workspace and plan (forward_sm90)
+    if getattr(cls, "takes_split_workspace", False):  # + the tail split's workspace and plan
         return qkvo_lse + fake_tail_split_workspace(head_dim) + (
             cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), fake_stream())
     return qkvo_lse + (cutlass.Float32(1.0), fake_stream())
@@ -130,7 +130,7 @@ def forward_launcher(plan: Plan):
     """`launch(q, k, v, out, lse, softmax_scale)` for a forward plan: compiles (or loads) its kernel
     and adds the per-call arguments that kernel takes beyond these."""
     compiled = plan.compiled()
-    if plan.kernel_cls.__name__ == "FlashAttnFwdSm90":
+    if getattr(plan.kernel_cls, "takes_split_workspace", False):
         from .forward_sm90 import launcher
 
         return launcher(compiled, dict(plan.init_kwargs))

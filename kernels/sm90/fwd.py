@@ -67,6 +67,8 @@ class FlashAttnFwdSm90:
     """Hopper forward. See the module docstring for the structure."""
 
     _HEAD_DIMS = (64, 96, 128, 192, 256)
+    # __call__ takes the tail split's workspace and plan after the LSE (cute_flash/forward_sm90.py).
+    takes_split_workspace = True
 
     def __init__(
         self,
@@ -343,9 +345,8 @@ class FlashAttnFwdSm90:
             ]
             pieces_done: cute.struct.MemRange[Int32, 1]  # the tail split's counter, read back
 
-        num_units = self.num_tiles(mQ.shape[0], mQ.shape[2], mQ.shape[3])
-        if const_expr(self.splits_tail):
-            num_units += split_tiles * (splits - 1)
+        num_units = self.num_units(mQ.shape[0], mQ.shape[2], mQ.shape[3],
+                                   SimpleNamespace(tiles=split_tiles, splits=splits))
         grid_x = num_units
         if const_expr(self.num_sms > 0):
             grid_x = cutlass.min(num_units, self.num_sms)
@@ -480,12 +481,12 @@ class FlashAttnFwdSm90:
     @cute.jit
     def unit_of_round(self, round_idx: Int32) -> Int32:
         """This CTA's unit of work in round `round_idx` of a persistent walk (one CTA per tile:
-        round 0 only). Units are tiles, then the tail split's pieces (unit_work). With the per-head causal order, odd rounds run backwards (a snake), so a CTA
-        that got one of a round's first, longest tiles gets one of the next round's last,
-        shortest: with a grid that is a multiple of the m_blocks per head, a plain stride hands
-        each CTA the same m_block every round (measured: d64 causal 2k 245 vs 384 TFLOP/s). The
-        "l2" order is longest first across the whole grid already; the plain stride keeps that
-        (the snake measured 2-3% slower there).
+        round 0 only); units are tiles, then the tail split's pieces (unit_work). With the per-head
+        causal order, odd rounds run backwards (a snake), so a CTA that got one of a round's first,
+        longest tiles gets one of the next round's last, shortest: with a grid that is a multiple of
+        the m_blocks per head, a plain stride hands each CTA the same m_block every round
+        (measured: d64 causal 2k 245 vs 384 TFLOP/s). The "l2" order is longest first across the
+        whole grid already; the plain stride keeps that (the snake measured 2-3% slower there).
         """
         cta, grid = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         lane = cta
@@ -691,8 +692,7 @@ class FlashAttnFwdSm90:
             if const_expr(self.splits_tail):
                 complete = piece < 0
                 if piece >= 0:
-                    tail_units = split.tiles * split.splits
-                    slot = unit - (self.num_units(seqlen_q, num_heads, num_batch, split) - tail_units)
+                    slot = unit - (self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles)
                     complete = self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, piece, split)
                 if complete:
                     store()
@@ -874,20 +874,22 @@ class FlashAttnFwdSm90:
                 for p in cutlass.range(split.splits, unroll=1):
                     lse_max = cutlass.max(lse_max, split.mLSE[first_slot + p, row])
                 lse_max = 0.0 if lse_max == -Float32.inf else lse_max
+                piece_weight = lambda p: cute.math.exp2(  # noqa: E731 - exp(lse_p - lse_max)
+                    (split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True
+                )
                 weight_sum = Float32(0.0)
                 for p in cutlass.range(split.splits, unroll=1):
-                    weight_sum += cute.math.exp2((split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True)
+                    weight_sum += piece_weight(p)
                 # A row no piece saw a key of keeps the kernel's convention: O = 0, LSE = -inf.
                 no_key = weight_sum == 0.0
                 inv_weight_sum = 0.0 if no_key else cute.arch.rcp_approx(weight_sum)
                 acc_O_mn[r, None].fill(0.0)
                 for p in cutlass.range(split.splits, unroll=1):
-                    weight = cute.math.exp2(
-                        (split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True
-                    ) * inv_weight_sum
+                    weight = piece_weight(p) * inv_weight_sum
                     for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
                         acc_O_mn[r, j] += weight * split.mO[first_slot + p, row, tOcO_mn[r, j][1]]
-                lse[r] = -Float32.inf if no_key else lse_max + cute.math.log2(weight_sum, fastmath=True) * math.log(2.0)
+                lse_row = lse_max + cute.math.log2(weight_sum, fastmath=True) * math.log(2.0)
+                lse[r] = -Float32.inf if no_key else lse_row
         return merges
 
     # ------------------------------------------------------------------ epilogue
