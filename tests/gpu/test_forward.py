@@ -33,6 +33,16 @@ def run_forward(q, k, v, causal, **kwargs):
     return out, lse
 
 
+def check_shape(batch, seqlens, nheads, nheads_kv, head_dim, causal, dtype=torch.bfloat16, calls=1):
+    """Fresh inputs of this shape; each of `calls` forwards matches the float64 reference."""
+    sq, sk = seqlens
+    q = randn(batch, sq, nheads, head_dim, dtype=dtype)
+    k, v = (randn(batch, sk, nheads_kv, head_dim, dtype=dtype) for _ in range(2))
+    for _ in range(calls):
+        out, lse = run_forward(q, k, v, causal)
+        assert_forward_close(out, lse, q, k, v, causal)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("seqlens", SEQLENS, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -98,10 +108,7 @@ def test_long_sequences(family, head_dim, causal):
     torch.manual_seed(head_dim + causal)
     sq, sk = (4095, 4177) if causal else (2047, 2113)
     assert dispatch.length_class(sk, causal) == "long" and dispatch.length_class(sq, causal) != "long"
-    q = randn(1, sq, 2, head_dim, dtype=torch.bfloat16)
-    k, v = randn(1, sk, 2, head_dim, dtype=torch.bfloat16), randn(1, sk, 2, head_dim, dtype=torch.bfloat16)
-    out, lse = run_forward(q, k, v, causal)
-    assert_forward_close(out, lse, q, k, v, causal)
+    check_shape(1, (sq, sk), 2, 2, head_dim, causal)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -109,12 +116,8 @@ def test_mid_causal(family, head_dim):
     """Causal problems with 2049-4096 keys ("mid", dispatch.length_class) run persistent CTAs on
     their own tiles (causal d64: 192 rows instead of 128), here with more tiles than SMs."""
     torch.manual_seed(head_dim + 11)
-    sq, sk = 3001, 3500
-    assert dispatch.length_class(sk, True) == "mid"
-    q = randn(2, sq, 8, head_dim, dtype=torch.bfloat16)
-    k, v = randn(2, sk, 4, head_dim, dtype=torch.bfloat16), randn(2, sk, 4, head_dim, dtype=torch.bfloat16)
-    out, lse = run_forward(q, k, v, True)
-    assert_forward_close(out, lse, q, k, v, True)
+    assert dispatch.length_class(3500, True) == "mid"
+    check_shape(2, (3001, 3500), 8, 4, head_dim, True)
 
 
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
@@ -123,12 +126,8 @@ def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     a last group of heads smaller than the others (L2 holds the K/V of two of the three heads at
     20k keys of d256), and one head at a time once a head has 128 tiles or more."""
     torch.manual_seed(head_dim)
-    sq, sk = seqlens
-    assert dispatch.length_class(sk, True) == "long"
-    q = randn(1, sq, nheads, head_dim, dtype=torch.bfloat16)
-    k, v = randn(1, sk, nheads, head_dim, dtype=torch.bfloat16), randn(1, sk, nheads, head_dim, dtype=torch.bfloat16)
-    out, lse = run_forward(q, k, v, True)
-    assert_forward_close(out, lse, q, k, v, True)
+    assert dispatch.length_class(seqlens[1], True) == "long"
+    check_shape(1, seqlens, nheads, nheads, head_dim, True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -138,12 +137,8 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
     H100 has SMs, so the Q stages, the per-warp-group O stores and the next-tile prefetch all
     rotate at least once (kernels/sm90/fwd.py: length_config)."""
     torch.manual_seed(head_dim + 7 * causal)
-    sq, sk = 1000, 1024
-    assert dispatch.length_class(sk, causal) == "short"
-    q = randn(4, sq, 16, head_dim, dtype=torch.bfloat16)
-    k, v = randn(4, sk, 4, head_dim, dtype=torch.bfloat16), randn(4, sk, 4, head_dim, dtype=torch.bfloat16)
-    out, lse = run_forward(q, k, v, causal)
-    assert_forward_close(out, lse, q, k, v, causal)
+    assert dispatch.length_class(1024, causal) == "short"
+    check_shape(4, (1000, 1024), 16, 4, head_dim, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -161,13 +156,9 @@ def test_tail_split(family, dtype, head_dim, batch, seqlens, nheads, nheads_kv):
     from cute_flash import forward_sm90
 
     torch.manual_seed(head_dim + seqlens[0])
-    sq, sk = seqlens
-    assert dispatch.length_class(sk, False) == "long"
-    q = randn(batch, sq, nheads, head_dim, dtype=dtype)
-    k, v = randn(batch, sk, nheads_kv, head_dim, dtype=dtype), randn(batch, sk, nheads_kv, head_dim, dtype=dtype)
-    for _ in range(2):  # the second call reuses the counters the first one left behind
-        out, lse = run_forward(q, k, v, False)
-        assert_forward_close(out, lse, q, k, v, False)
+    assert dispatch.length_class(seqlens[1], False) == "long"
+    # The second call reuses the counters the first one left behind.
+    check_shape(batch, seqlens, nheads, nheads_kv, head_dim, False, dtype=dtype, calls=2)
     for counters in forward_sm90._counters.values():
         assert int(counters.abs().sum()) == 0
 
