@@ -690,12 +690,12 @@ class FlashAttnFwdSm90:
             store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
                             mO_gmem, gmem_copy_O, mLSE, tidx, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
-                complete = piece < 0
-                if piece >= 0:
-                    slot = unit - (self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles)
-                    complete = self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, piece, split)
-                if complete:
+                if piece < 0:
                     store()
+                else:
+                    slot = unit - (self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles)
+                    self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, piece, split, mO_gmem, mLSE,
+                                      m_block, head, batch, seqlen_q)
             else:
                 store()
             if n_block_max > n_block_min:
@@ -844,13 +844,13 @@ class FlashAttnFwdSm90:
     # ------------------------------------------------------------------ tail split
 
     @cute.jit
-    def merge_pieces(self, acc_O, lse, tOcO_mn, tidx, slot, piece, split) -> cutlass.Boolean:
+    def merge_pieces(self, acc_O, lse, tOcO_mn, tidx, slot, piece, split, mO_gmem, mLSE, m_block, head, batch,
+                     seqlen_q):
         """Hand-off of tail-split piece `piece`, workspace slot `slot`: its normalized O and its
-        LSE go to the workspace, and the CTA that completes the tile's last piece reads every piece
-        back and merges them into acc_O and lse (O = sum_p exp(lse_p - lse) O_p with lse the
-        log-sum-exp of the lse_p). Returns whether this CTA did, and so stores the tile."""
+        LSE go to the workspace; the CTA that completes the tile's last piece reads every piece
+        back and stores the merged tile itself (O = sum_p exp(lse_p - lse) O_p, lse the
+        log-sum-exp of the lse_p)."""
         acc_O_mn = reshape_acc_to_mn(acc_O)
-        first_slot = slot - piece
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = tOcO_mn[r, 0][0]
             for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
@@ -863,34 +863,45 @@ class FlashAttnFwdSm90:
             counter = split.mCount.iterator + slot // split.splits
             split.done[0] = cute.arch.atomic_add(counter.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
-        merges = split.done[0] == split.splits - 1
-        if merges:
+        if split.done[0] == split.splits - 1:
             if tidx == 0:
                 split.mCount[slot // split.splits] = 0  # every piece has counted: ready for the next call
             cute.arch.fence_acq_rel_gpu()
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                row = tOcO_mn[r, 0][0]
-                lse_max = -Float32.inf
-                for p in cutlass.range(split.splits, unroll=1):
-                    lse_max = cutlass.max(lse_max, split.mLSE[first_slot + p, row])
-                lse_max = 0.0 if lse_max == -Float32.inf else lse_max
-                piece_weight = lambda p: cute.math.exp2(  # noqa: E731 - exp(lse_p - lse_max)
-                    (split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True
-                )
-                weight_sum = Float32(0.0)
-                for p in cutlass.range(split.splits, unroll=1):
-                    weight_sum += piece_weight(p)
-                # A row no piece saw a key of keeps the kernel's convention: O = 0, LSE = -inf.
-                no_key = weight_sum == 0.0
-                inv_weight_sum = 0.0 if no_key else cute.arch.rcp_approx(weight_sum)
-                acc_O_mn[r, None].fill(0.0)
-                for p in cutlass.range(split.splits, unroll=1):
-                    weight = piece_weight(p) * inv_weight_sum
-                    for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
-                        acc_O_mn[r, j] += weight * split.mO[first_slot + p, row, tOcO_mn[r, j][1]]
-                lse_row = lse_max + cute.math.log2(weight_sum, fastmath=True) * math.log(2.0)
-                lse[r] = -Float32.inf if no_key else lse_row
-        return merges
+            self.store_merged(tidx, slot - piece, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q)
+
+    @cute.jit
+    def store_merged(self, tidx, first_slot, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q):
+        """The merge, in 16-byte pieces of rows that consecutive threads read together (the pieces'
+        O went out in the accumulator's scattered layout; reading it back that way was latency
+        bound), straight to O and LSE in global memory."""
+        vec = 4
+        row_vecs = self.head_dim // vec
+        for i in cutlass.range_constexpr(self.tile_m * row_vecs // self.num_mma_threads):
+            chunk = tidx + i * self.num_mma_threads
+            row = chunk // row_vecs
+            col_vec = chunk - row * row_vecs
+            lse_max = -Float32.inf
+            for p in cutlass.range(split.splits, unroll=1):
+                lse_max = cutlass.max(lse_max, split.mLSE[first_slot + p, row])
+            lse_max = 0.0 if lse_max == -Float32.inf else lse_max
+            weight_sum = Float32(0.0)
+            acc = cute.make_rmem_tensor((1, vec), Float32)
+            acc.fill(0.0)
+            for p in cutlass.range(split.splits, unroll=1):
+                weight = cute.math.exp2((split.mLSE[first_slot + p, row] - lse_max) * LOG2_E, fastmath=True)
+                weight_sum += weight
+                piece_O = cute.local_tile(split.mO[first_slot + p, None, None], (1, vec), (row, col_vec))
+                acc.store(acc.load() + weight * piece_O.load())
+            # A row no piece saw a key of keeps the kernel's convention: O = 0, LSE = -inf.
+            no_key = weight_sum == 0.0
+            inv_weight_sum = 0.0 if no_key else cute.arch.rcp_approx(weight_sum)
+            row_global = m_block * self.tile_m + row
+            if row_global < seqlen_q:
+                gO = cute.local_tile(mO_gmem[None, None, head, batch], (1, vec), (row_global, col_vec))
+                gO.store((acc.load() * inv_weight_sum).to(self.dtype))
+                if col_vec == 0:
+                    lse_row = lse_max + cute.math.log2(weight_sum, fastmath=True) * math.log(2.0)
+                    mLSE[batch, head, row_global] = -Float32.inf if no_key else lse_row
 
     # ------------------------------------------------------------------ epilogue
 
