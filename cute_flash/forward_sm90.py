@@ -43,7 +43,7 @@ def launcher(compiled, config: dict) -> Callable:
     arguments `config`: plans the tail split of this call and passes its workspace."""
     tile_m, tile_n, head_dim = config["tile_m"], config["tile_n"], config["head_dim"]
     num_sms = config.get("num_sms", 0)
-    splits_tail = num_sms > 0 and not config["causal"]
+    splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, config["causal"])
 
     def launch(q, k, v, out, lse, softmax_scale):
         split_tiles, splits = 0, 1

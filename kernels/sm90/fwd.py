@@ -123,9 +123,8 @@ class FlashAttnFwdSm90:
         # tile's K, V (and Q, when O has its own smem buffer) while the consumers finish the
         # current one. 0: one CTA per tile.
         self.num_sms = num_sms
-        # Tail split (persistent, non-causal only: causal tiles differ in length and run longest
-        # first, so their last round is short anyway). The host decides per call (tail_split_plan).
-        self.splits_tail = num_sms > 0 and not causal
+        # Tail split: the host decides per call (tail_split_plan).
+        self.splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, causal)
         # Q stages: with two, the producer loads the next tile's Q while this one runs.
         self.q_stages = q_stages
         self.separate_o = (
@@ -247,6 +246,12 @@ class FlashAttnFwdSm90:
         if head_dim > 192:
             config["wg_epilogue"] = True
         return config
+
+    @staticmethod
+    def tail_split_enabled(num_sms: int, causal: bool) -> bool:
+        """Persistent non-causal kernels split their last round: causal tiles differ in length and
+        run longest first, so their last round is short anyway."""
+        return num_sms > 0 and not causal
 
     @staticmethod
     def tail_split_plan(num_tiles: int, num_n_blocks: int, num_sms: int) -> tuple[int, int]:
@@ -508,24 +513,25 @@ class FlashAttnFwdSm90:
     def unit_work(self, unit: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_batch: Int32,
                   block_ranges: BlockRanges, split):
         """What unit `unit` of the walk computes: (m_block, head, batch), the K/V blocks
-        [n_block_min, n_block_max) and `piece`, -1 for a whole tile. The last split.tiles tiles
-        come as split.splits units each, piece p taking the p-th share of the blocks."""
+        [n_block_min, n_block_max) and its workspace `slot`, -1 for a whole tile. The last
+        split.tiles tiles come as split.splits units each, in slots tail_tile * splits + piece,
+        piece p taking the p-th share of the blocks."""
         tile = unit
-        piece = Int32(-1)
+        slot = Int32(-1)
         if const_expr(self.splits_tail):
             whole_tiles = self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles
             if unit >= whole_tiles:
-                in_tail = unit - whole_tiles
-                tile = whole_tiles + in_tail // split.splits
-                piece = in_tail - (in_tail // split.splits) * split.splits
+                slot = unit - whole_tiles
+                tile = whole_tiles + slot // split.splits
         m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
         n_block_min, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
         if const_expr(self.splits_tail):
-            if piece >= 0:
+            if slot >= 0:
+                piece = slot % split.splits
                 n_blocks = n_block_max
                 n_block_min = piece * n_blocks // split.splits
                 n_block_max = (piece + 1) * n_blocks // split.splits
-        return m_block, head, batch, n_block_min, n_block_max, piece
+        return m_block, head, batch, n_block_min, n_block_max, slot
 
     # ------------------------------------------------------------------ producer
 
@@ -667,7 +673,7 @@ class FlashAttnFwdSm90:
         round_idx = Int32(0)
         unit = self.unit_of_round(round_idx)
         while unit < self.num_units(seqlen_q, num_heads, num_batch, split):
-            m_block, head, batch, n_block_min, n_block_max, piece = self.unit_work(
+            m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
                 unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
             )
             acc_O.fill(0.0)
@@ -690,11 +696,10 @@ class FlashAttnFwdSm90:
             store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
                             mO_gmem, gmem_copy_O, mLSE, tidx, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
-                if piece < 0:
+                if slot < 0:
                     store()
                 else:
-                    slot = unit - (self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles)
-                    self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, piece, split, mO_gmem, mLSE,
+                    self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, split, mO_gmem, mLSE,
                                       m_block, head, batch, seqlen_q)
             else:
                 store()
@@ -844,13 +849,13 @@ class FlashAttnFwdSm90:
     # ------------------------------------------------------------------ tail split
 
     @cute.jit
-    def merge_pieces(self, acc_O, lse, tOcO_mn, tidx, slot, piece, split, mO_gmem, mLSE, m_block, head, batch,
-                     seqlen_q):
-        """Hand-off of tail-split piece `piece`, workspace slot `slot`: its normalized O and its
-        LSE go to the workspace; the CTA that completes the tile's last piece reads every piece
-        back and stores the merged tile itself (O = sum_p exp(lse_p - lse) O_p, lse the
-        log-sum-exp of the lse_p)."""
+    def merge_pieces(self, acc_O, lse, tOcO_mn, tidx, slot, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q):
+        """Hand-off of the tail-split piece in workspace slot `slot`: its normalized O and its LSE
+        go to the workspace; the CTA that completes the tile's last piece reads every piece back
+        and stores the merged tile itself (O = sum_p exp(lse_p - lse) O_p, lse the log-sum-exp
+        of the lse_p)."""
         acc_O_mn = reshape_acc_to_mn(acc_O)
+        tail_tile = slot // split.splits
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = tOcO_mn[r, 0][0]
             for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
@@ -860,14 +865,14 @@ class FlashAttnFwdSm90:
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
         if tidx == 0:
-            counter = split.mCount.iterator + slot // split.splits
+            counter = split.mCount.iterator + tail_tile
             split.done[0] = cute.arch.atomic_add(counter.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
         if split.done[0] == split.splits - 1:
             if tidx == 0:
-                split.mCount[slot // split.splits] = 0  # every piece has counted: ready for the next call
+                split.mCount[tail_tile] = 0  # every piece has counted: ready for the next call
             cute.arch.fence_acq_rel_gpu()
-            self.store_merged(tidx, slot - piece, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q)
+            self.store_merged(tidx, tail_tile * split.splits, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q)
 
     @cute.jit
     def store_merged(self, tidx, first_slot, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q):
