@@ -118,7 +118,8 @@ def length_classes(causal: bool) -> tuple[str, ...]:
     return ("short", "mid", "long") if causal else ("short", "long")
 
 
-def _fake_forward_args(cls, cdtype, head_dim: int) -> tuple:
+def fake_forward_args(cls, cdtype, head_dim: int) -> tuple:
+    """The compile-time arguments of forward kernel class `cls` (its `__call__` signature)."""
     qkvo_lse = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(),)
     if getattr(cls, "takes_split_workspace", False):  # + the tail split's workspace and plan
         return qkvo_lse + fake_tail_split_workspace(head_dim) + (
@@ -149,6 +150,6 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
             tiles.update(cls.length_config(head_dim, causal, length, sm_count() if num_sms is None else num_sms))
         if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
-            return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), _fake_forward_args(cls, cdtype, head_dim),
+            return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), fake_forward_args(cls, cdtype, head_dim),
                         target_arch_for(capability))
     raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")

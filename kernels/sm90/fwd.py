@@ -164,8 +164,7 @@ class FlashAttnFwdSm90:
             return False
         if num_stages < 1 or q_stages < 1:
             return False
-        # A warp group's 128 threads store whole rows of O, 8 elements (16 bytes) each.
-        if wg_epilogue and 128 % (head_dim // 8) != 0:
+        if wg_epilogue and not FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             return False
         # Accumulator registers per consumer thread: S (tile_n/2) + P (tile_n/4) + O (head_dim/2).
         # A coarse filter only: the compile test checks that the chosen tiles do not spill.
@@ -176,6 +175,12 @@ class FlashAttnFwdSm90:
         if q_stages > 1:  # O then needs its own buffer
             smem += tile_m * head_dim * dtype.width // 8
         return smem <= _SMEM_BYTES
+
+    @staticmethod
+    def wg_epilogue_fits(head_dim: int) -> bool:
+        """A warp group's 128 threads store whole rows of O, 8 elements (16 bytes) each: d64, d128,
+        d256, not d96 or d192."""
+        return 128 % (head_dim // 8) == 0
 
     @staticmethod
     def default_tiles(dtype, head_dim: int, causal: bool) -> dict:
@@ -233,18 +238,18 @@ class FlashAttnFwdSm90:
                 return dict(tile_m=192, tile_n=80, num_stages=3, num_sms=num_sms)
             return {}
         config = dict(num_sms=num_sms)
+        if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
+            config["wg_epilogue"] = True
         if causal:
             config["lpt"] = "head"
         if 96 < head_dim <= 128:
-            config.update(num_stages=2, q_stages=2, wg_epilogue=True)
+            config.update(num_stages=2, q_stages=2)
         if head_dim <= 64:
-            config.update(prefetch_next=True, wg_epilogue=True)
+            config["prefetch_next"] = True
             if causal and length == "short":
                 config.update(tile_m=128, tile_n=128)
             if not causal:
-                config.update(q_stages=2)
-        if head_dim > 192:
-            config["wg_epilogue"] = True
+                config["q_stages"] = 2
         return config
 
     @staticmethod

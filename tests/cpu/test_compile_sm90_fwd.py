@@ -13,7 +13,7 @@ import cutlass
 from cute_flash import compile_report as compile_report_module
 from cute_flash.compile_report import compile_report
 from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
-from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream, fake_tail_split_workspace
+from cute_flash.dispatch import fake_forward_args
 
 VARIANTS = [
     (cutlass.BFloat16, 64, False, None),
@@ -44,14 +44,6 @@ VARIANTS = [
 ]
 
 
-def _fake_args(dtype, head_dim):
-    return (
-        fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim), fake_bshd(dtype, head_dim),
-        fake_bshd(dtype, head_dim), fake_rowstat(), *fake_tail_split_workspace(head_dim),
-        cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), fake_stream(),
-    )
-
-
 @pytest.mark.parametrize(
     "dtype,head_dim,causal,tiles", VARIANTS,
     ids=[f"{dt.__name__}-d{d}-{'causal' if c else 'full'}" + (f"-{t['tile_m']}x{t['tile_n']}" if t else "")
@@ -65,7 +57,7 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     logs = []
     parse = compile_report_module._parse
     monkeypatch.setattr(compile_report_module, "_parse", lambda log: (logs.append(log), parse(log))[1])
-    report = compile_report(kernel, _fake_args(dtype, head_dim), arch="sm_90a")
+    report = compile_report(kernel, fake_forward_args(FlashAttnFwdSm90, dtype, head_dim), arch="sm_90a")
     assert "wgmma.mma_async" in report.ptx
     assert "cp.async.bulk.tensor" in report.ptx
     assert "setmaxnreg" in report.ptx
