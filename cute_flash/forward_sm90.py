@@ -1,9 +1,10 @@
-"""Host side of the sm90 forward: the tail split's plan and workspace for one call.
+"""Host side of the sm90 forward: the tail split's plan and the workspace for one call.
 
 A persistent non-causal kernel cuts the tiles of its last, partial round into pieces along the
 keys (kernels/sm90/fwd.py, `tail_split_plan`). Per call that takes a float32 workspace for the
-pieces' O and LSE, from torch's caching allocator, and one counter per split tile, which the
-kernel leaves at zero: the counters are allocated once per (device, stream) and reused.
+pieces' O and LSE, from torch's caching allocator, and one counter per split tile. A persistent
+kernel with the dynamic schedule takes one more counter, its next unit. The kernel leaves every
+counter at zero: they are allocated once per (device, stream) and reused.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ def _counters_for(device: torch.device, num_sms: int) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream
     counters = _counters.get((device.index, stream))
     if counters is None:
-        # Only tiles of the last round are split: fewer than num_sms (tail_split_plan).
-        counters = _counters[(device.index, stream)] = torch.zeros(num_sms, dtype=torch.int32, device=device)
+        # Only tiles of the last round are split: fewer than num_sms (tail_split_plan); index
+        # num_sms is the dynamic schedule's.
+        counters = _counters[(device.index, stream)] = torch.zeros(num_sms + 1, dtype=torch.int32, device=device)
     return counters
 
 
@@ -44,6 +46,7 @@ def launcher(compiled, config: dict) -> Callable:
     tile_m, tile_n, head_dim = config["tile_m"], config["tile_n"], config["head_dim"]
     num_sms = config.get("num_sms", 0)
     splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, config["causal"])
+    counts_units = num_sms > 0 and config.get("dynamic_schedule", False)
 
     def launch(q, k, v, out, lse, softmax_scale):
         split_tiles, splits = 0, 1
@@ -60,6 +63,8 @@ def launcher(compiled, config: dict) -> Callable:
             )
         else:
             workspace = _unused_workspace(q.device, head_dim)
+            if counts_units:
+                workspace = workspace[:2] + (_counters_for(q.device, num_sms),)
         compiled(q, k, v, out, lse, *workspace, softmax_scale, split_tiles, splits)
 
     return launch

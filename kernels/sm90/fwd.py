@@ -61,6 +61,7 @@ _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running 
 _WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themselves
 _MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
 _MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
+_SCHED_STAGES = 2  # next-unit slots between the producer and the consumers (dynamic_schedule)
 
 
 class FlashAttnFwdSm90:
@@ -87,6 +88,7 @@ class FlashAttnFwdSm90:
         wg_epilogue: bool = False,
         q_stages: int = 1,
         rescale_if_moved: bool = False,
+        dynamic_schedule: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -110,8 +112,9 @@ class FlashAttnFwdSm90:
         # Measured (interleaved A/B, bf16): non-causal d128 +1% at 2k, +0-4% at 4k, +4% at 8k,
         # +7% at 16k; d256 -2 to -3%, causal d64 -5% at 16k, elsewhere within 2%.
         self.rescale_if_moved = rescale_if_moved
-        # Persistent CTAs only: the producer prefetches the next tile's Q and first K, V block to L2.
-        self.prefetch_next = prefetch_next and num_sms > 0
+        # Persistent CTAs with a static walk only (the dynamic schedule knows the next tile late):
+        # the producer prefetches the next tile's Q and first K, V block to L2.
+        self.prefetch_next = prefetch_next and num_sms > 0 and not dynamic_schedule
         # Each consumer warp group stores its own 64 rows of O (16-byte stores from smem) and goes
         # on to its next tile, instead of all groups meeting for one TMA store per tile.
         self.wg_epilogue = wg_epilogue
@@ -123,6 +126,10 @@ class FlashAttnFwdSm90:
         # tile's K, V (and Q, when O has its own smem buffer) while the consumers finish the
         # current one. 0: one CTA per tile.
         self.num_sms = num_sms
+        # Persistent CTAs take their next unit from a global counter (in the tile order) as they
+        # finish, instead of a fixed stride: the units in flight stay a window of that order, and
+        # a CTA whose tiles were short does not run ahead into other heads' K/V.
+        self.dynamic_schedule = dynamic_schedule and num_sms > 0
         # Tail split: the host decides per call (tail_split_plan).
         self.splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, causal)
         # Q stages: with two, the producer loads the next tile's Q while this one runs.
@@ -213,39 +220,49 @@ class FlashAttnFwdSm90:
           128, where a tile is only a few K/V blocks and the next tile's loads hide behind this
           one's epilogue, and 0-4% at d192/d256 (causal, with the snake walk of unit_of_round: d128
           +13-18%, d256 +1-8%, and still +2-9% at 4k). d128 then prefers two K/V stages, which
-          leave room for O's own smem buffer. Causal tiles run longest first within each head
+          leave room for O's own smem buffer. Short causal tiles run longest first within each head
           ("head"): +19%/+11% at d128 512/1k over "l2". Short causal d64 switches to 128 x 128
           tiles, which waste less of the diagonal block: +8% at 512 and +9% at 1k against
           192 x 128 (-2% at 2k, +5% for 192 x 128 at 4k: so "mid" keeps them; non-causal: -2% at
-          1k, -11% at 2k). d64 also warms L2 with the next tile's first blocks (prefetch_next):
+          1k, -11% at 2k). Short d64 also warms L2 with the next tile's first blocks (prefetch_next):
           +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores its own rows of O
           (wg_epilogue) and Q is double-buffered (q_stages=2): non-causal d64/d128 +2-7% at
           512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k; wg_epilogue alone: causal d64 +2-4%,
           d256 +0-2% at 512-2k (two Q stages do not fit there); 96- and 192-element rows do not
           split into 16-byte pieces over 128 threads.
-        * Long: one CTA per tile, except non-causal d64 and d128. d64 stays persistent with the
-          prefetch: +3% at 4k, within 1% at 8k-16k. d128 runs 192 x 80 tiles (three consumer warp
-          groups, three K/V stages) persistently: +1-3% at 4k-16k over 128 x 128 with one CTA per
-          tile (slower when causal, or short). Causal persistent walks lose here: at 16k causal
-          d128 427 vs 636 TFLOP/s (CTAs that race ahead spread over many heads' K/V in L2).
+        * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
+          global counter (dynamic_schedule) in the L2-grouped order: d64 +1.3%, d128 +3.0% at 4k.
+        * Long: d64, d128 and d256 persistent with the dynamic schedule, the others one CTA per
+          tile. A static walk lost there when causal (16k d128 427 vs 636 TFLOP/s: CTAs whose tiles
+          were short raced ahead over other heads' K/V); the counter keeps the tiles in flight a
+          window of the longest-first order: causal d64 +4.1% / +2.2% at 8k / 16k, d256 +2.6% /
+          +1.8%, d128 with two K/V stages, two Q stages and per-group O stores +5.1% / +1.9%.
+          Non-causal d128 runs 192 x 80 tiles (three consumer warp groups, three K/V stages):
+          +1-3% at 4k-16k over 128 x 128 with one CTA per tile, and +2% with the counter over a
+          static walk; d64 +3% at 4k over one CTA per tile. Short causal problems keep the
+          static snake walk (the counter: d64 -10% at 1k).
         """
+        dynamic = dict(num_sms=num_sms, dynamic_schedule=True)
         if length == "long":
-            if causal:
+            if head_dim not in (64, 128, 256) or (head_dim == 256 and not causal):
                 return {}
-            if head_dim <= 64:
-                return dict(num_sms=num_sms, prefetch_next=True)
-            if 96 < head_dim <= 128:
-                return dict(tile_m=192, tile_n=80, num_stages=3, num_sms=num_sms)
-            return {}
+            if head_dim == 128:
+                if causal:
+                    return dict(dynamic, num_stages=2, q_stages=2, wg_epilogue=True)
+                return dict(dynamic, tile_m=192, tile_n=80, num_stages=3)
+            return dynamic
         config = dict(num_sms=num_sms)
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
         if causal:
-            config["lpt"] = "head"
+            config["lpt"] = "head" if length == "short" else "l2"
+        if length == "mid":
+            config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
         if head_dim <= 64:
-            config["prefetch_next"] = True
+            if length == "short":
+                config["prefetch_next"] = True
             if causal and length == "short":
                 config.update(tile_m=128, tile_n=128)
             if not causal:
@@ -290,10 +307,10 @@ class FlashAttnFwdSm90:
         splits: Int32,
         stream: cuda.CUstream,
     ):
-        """mOpiece (pieces, tile_m, head_dim) and mLSEpiece (pieces, tile_m), float32, and
-        mPieceCount (split_tiles or more,), int32 and zero (the kernel leaves it zero again), are
-        the tail split's workspace (tail_split_plan says how much; ignored when split_tiles is 0,
-        and by kernels that never split)."""
+        """mOpiece (pieces, tile_m, head_dim) and mLSEpiece (pieces, tile_m), float32, are the tail
+        split's workspace (tail_split_plan says how much; ignored when split_tiles is 0, and by
+        kernels that never split). mPieceCount, int32 and zero (the kernel leaves it zero again),
+        holds one counter per split tile and, at index num_sms, the dynamic schedule's."""
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
         # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
         mQ, mK, mO = [
@@ -354,6 +371,8 @@ class FlashAttnFwdSm90:
                 cute.struct.MemRange[self.dtype, cute.cosize(sQ_stage_layout) if self.separate_o else 0], 1024
             ]
             pieces_done: cute.struct.MemRange[Int32, 1]  # the tail split's counter, read back
+            mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * _SCHED_STAGES]
+            sched_units: cute.struct.MemRange[Int32, _SCHED_STAGES]
 
         num_units = self.num_units(mQ.shape[0], mQ.shape[2], mQ.shape[3],
                                    SimpleNamespace(tiles=split_tiles, splits=splits))
@@ -420,6 +439,18 @@ class FlashAttnFwdSm90:
             )
             for mbar in (storage.mbar_K, storage.mbar_V)
         ]
+        sched = None
+        if const_expr(self.dynamic_schedule):
+            sched = dict(
+                pipe=pipeline.PipelineAsync.create(
+                    barrier_storage=storage.mbar_sched.data_ptr(), num_stages=_SCHED_STAGES,
+                    producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                    consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+                    defer_sync=True,
+                ),
+                units=storage.sched_units.data_ptr(),
+                counter=mPieceCount.iterator + self.num_sms,
+            )
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
@@ -438,14 +469,14 @@ class FlashAttnFwdSm90:
             if warp_idx == 0:
                 self.load(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, split,
+                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched),
                 )
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
-                split,
+                split, role_namespace(sched),
             )
 
     # ------------------------------------------------------------------ tile order
@@ -505,6 +536,46 @@ class FlashAttnFwdSm90:
                 lane = grid - 1 - cta
         return round_idx * grid + lane
 
+    @cute.jit
+    def fetch_unit(self, sched, num_units: Int32) -> Int32:
+        """The dynamic schedule's next unit for this CTA (producer warp): the first grid-size units
+        are the CTAs' first; the counter hands out the rest in order. Every CTA fetches once per
+        unit it runs, the last time past the end, so num_units fetches in all: the one that gets
+        the last value resets the counter for the next launch."""
+        taken = Int32(0)
+        if cute.arch.lane_idx() == 0:
+            taken = cute.arch.atomic_add(sched.counter.llvm_ptr, Int32(1), sem="relaxed", scope="gpu")
+            if taken == num_units - 1:
+                cute.make_tensor(sched.counter, cute.make_layout(1))[0] = 0
+        taken = cute.arch.shuffle_sync(taken, 0)
+        return taken + cute.arch.grid_dim()[0]
+
+    def sched_units(self, sched):
+        # A tensor view per use: one view shared by the producer's and the consumers' branches
+        # fails IR verification (a value created in one branch used in the other).
+        return cute.make_tensor(sched.units, cute.make_layout(_SCHED_STAGES))
+
+    @cute.jit
+    def publish_unit(self, sched, state, unit):
+        """Producer warp: hand `unit` to the consumers (one slot of the sched pipeline)."""
+        sched.pipe.producer_acquire(state)
+        units = self.sched_units(sched)
+        if cute.arch.lane_idx() == 0:
+            units[state.index] = unit
+        # Every lane arrives: lane 0's store comes before its arrive, and the slot fills with the last.
+        sched.pipe.producer_commit(state)
+        state.advance()
+        return state
+
+    @cute.jit
+    def receive_unit(self, sched, state):
+        """Consumers: the next unit the producer published."""
+        sched.pipe.consumer_wait(state)
+        unit = self.sched_units(sched)[state.index]
+        sched.pipe.consumer_release(state)
+        state.advance()
+        return unit, state
+
     def num_tiles(self, seqlen_q, num_heads, num_batch):
         return cute.ceil_div(seqlen_q, self.tile_m) * num_heads * num_batch
 
@@ -543,15 +614,21 @@ class FlashAttnFwdSm90:
     @cute.jit
     def load(
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-        pipeline_q, pipeline_k, pipeline_v, split,
+        pipeline_q, pipeline_k, pipeline_v, split, sched,
     ):
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        num_units = self.num_units(seqlen_q, num_heads, num_batch, split)
         round_idx = Int32(0)
         unit = self.unit_of_round(round_idx)
-        while unit < self.num_units(seqlen_q, num_heads, num_batch, split):
+        sched_state = None
+        if const_expr(self.dynamic_schedule):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _SCHED_STAGES)
+            sched_state = self.publish_unit(sched, sched_state, unit)
+        while unit < num_units:
+            next_unit = self.unit_of_round(round_idx + 1)
             n_block_min, n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
                 unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
             )
@@ -571,7 +648,7 @@ class FlashAttnFwdSm90:
                     load_K(n_block_max - 1, kv_state)
                 if const_expr(self.prefetch_next):
                     self.prefetch_tile(
-                        self.unit_of_round(round_idx + 1), tma_atom_Q, mQ, tma_atom_K, mK,
+                        next_unit, tma_atom_Q, mQ, tma_atom_K, mK,
                         tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split,
                     )
                 if const_expr(self.intra_wg_overlap):
@@ -591,8 +668,14 @@ class FlashAttnFwdSm90:
                         load_K(n_block, kv_state)
                         load_V(n_block, kv_state)
                 kv_state.advance()
+            if const_expr(self.dynamic_schedule):
+                # Claimed only now, num_stages blocks before the consumers finish this unit: a CTA
+                # that claimed at the start of a long tile would leave the next (longest) units
+                # waiting behind it while CTAs with short tiles idle.
+                next_unit = self.fetch_unit(sched, num_units)
+                sched_state = self.publish_unit(sched, sched_state, next_unit)
             round_idx += 1
-            unit = self.unit_of_round(round_idx)
+            unit = next_unit
 
     def tile_views(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split):
         """The K/V blocks [n_block_min, n_block_max) of one unit of the walk and the TMA (smem,
@@ -636,7 +719,7 @@ class FlashAttnFwdSm90:
     @cute.jit
     def mma(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
-        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split,
+        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -675,9 +758,14 @@ class FlashAttnFwdSm90:
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        num_units = self.num_units(seqlen_q, num_heads, num_batch, split)
         round_idx = Int32(0)
         unit = self.unit_of_round(round_idx)
-        while unit < self.num_units(seqlen_q, num_heads, num_batch, split):
+        sched_state = None
+        if const_expr(self.dynamic_schedule):
+            sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _SCHED_STAGES)
+            unit, sched_state = self.receive_unit(sched, sched_state)
+        while unit < num_units:
             m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
                 unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
             )
@@ -714,7 +802,10 @@ class FlashAttnFwdSm90:
                     pipeline_q.consumer_release(q_state)
                 q_state.advance()
             round_idx += 1
-            unit = self.unit_of_round(round_idx)
+            if const_expr(self.dynamic_schedule):
+                unit, sched_state = self.receive_unit(sched, sched_state)
+            else:
+                unit = self.unit_of_round(round_idx)
 
     @cute.jit
     def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):
@@ -976,6 +1067,13 @@ class FlashAttnFwdSm90:
                 cute.copy(tma_atom_O, tOsO, tOgO)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def role_namespace(handles: dict | None) -> SimpleNamespace | None:
+    """The producer's or the consumers' own namespace of shared handles: the tracer rebinds the
+    fields of a namespace that a staged loop carries, and the other role's branch must not see
+    values defined inside the first one's loop."""
+    return None if handles is None else SimpleNamespace(**handles)
 
 
 @cute.jit

@@ -38,15 +38,23 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
     (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True)),
-    # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80.
-    (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
-    (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True)),
+    # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
+    # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
+    (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
+                                        dynamic_schedule=True)),
+    (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
+                                       dynamic_schedule=True)),
+    (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="l2", wg_epilogue=True,
+                                       q_stages=2, dynamic_schedule=True)),
+    (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="l2", dynamic_schedule=True)),
+    (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True)),
 ]
 
 
 @pytest.mark.parametrize(
     "dtype,head_dim,causal,tiles", VARIANTS,
     ids=[f"{dt.__name__}-d{d}-{'causal' if c else 'full'}" + (f"-{t['tile_m']}x{t['tile_n']}" if t else "")
+         + ("-dynamic" if t and t.get("dynamic_schedule") else "")
          for dt, d, c, t in VARIANTS],
 )
 def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, tiles, monkeypatch):
@@ -63,6 +71,8 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert "setmaxnreg" in report.ptx
     if tiles.get("prefetch_next"):
         assert "cp.async.bulk.prefetch.tensor" in report.ptx
+    # The dynamic schedule's counter: a relaxed atomic add (the tail split's are acq_rel).
+    assert ("atom.global.add.u32" in report.ptx) == bool(tiles.get("dynamic_schedule"))
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs and "C7512" not in logs[0], "ptxas serialized the wgmma instructions"
 

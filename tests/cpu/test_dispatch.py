@@ -53,19 +53,24 @@ def test_length_buckets_reach_the_sm90_launch_settings():
     short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="short", num_sms=132).init_kwargs)
     long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="long", num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
-    assert long.get("num_sms", 0) == 0 and long["num_stages"] == 3 and long["lpt"] == "l2"
-    # Long non-causal d128: 192 x 80 tiles, persistent; d64: next tile's blocks prefetched (short,
-    # and long non-causal).
+    # Long causal d128: persistent CTAs taking tiles from the global counter in the L2-grouped order.
+    assert long["num_sms"] == 132 and long["dynamic_schedule"] and long["num_stages"] == 2
+    assert long["lpt"] == "l2" and long["q_stages"] == 2
+    # Long non-causal d128: 192 x 80 tiles; d64: next tile's blocks prefetched on short problems,
+    # the dynamic schedule on long ones.
     long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, length="long", num_sms=132).init_kwargs)
     assert (long_full["tile_m"], long_full["tile_n"], long_full["num_sms"]) == (192, 80, 132)
+    assert long_full["dynamic_schedule"]
     for causal in (False, True):
         short64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, length="short", num_sms=132).init_kwargs)
         assert short64["prefetch_next"] and short64["num_sms"] == 132
+        assert not short64.get("dynamic_schedule", False)
         long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, length="long", num_sms=132).init_kwargs)
-        assert long64.get("prefetch_next", False) == (not causal)
+        assert not long64.get("prefetch_next", False) and long64["dynamic_schedule"]
         assert short64["wg_epilogue"] and short64.get("q_stages", 1) == (1 if causal else 2)
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
     for length, tile_m in (("short", 128), ("mid", 192), ("long", 192)):
         plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, True, length=length, num_sms=132).init_kwargs)
-        assert plan["tile_m"] == tile_m and (plan.get("num_sms", 0) == 132) == (length != "long")
+        assert plan["tile_m"] == tile_m and plan["num_sms"] == 132
+        assert plan.get("dynamic_schedule", False) == (length != "short")
     assert short["q_stages"] == 2 and short["wg_epilogue"]

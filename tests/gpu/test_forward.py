@@ -120,6 +120,21 @@ def test_mid_causal(family, head_dim):
     check_shape(2, (3001, 3500), 8, 4, head_dim, True)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_dynamic_schedule(family, head_dim, causal):
+    """Long problems (and mid causal ones) run persistent CTAs that take their next tile from a
+    global counter as they finish one (kernels/sm90/fwd.py: fetch_unit); here with more tiles than
+    SMs and GQA, twice in a row: the last fetch of each call leaves the counter at zero."""
+    from cute_flash import forward_sm90
+
+    torch.manual_seed(head_dim + 13 * causal)
+    assert dispatch.length_class(4600, causal) == "long"
+    check_shape(1, (4500, 4600), 8, 2, head_dim, causal, calls=2)
+    for counters in forward_sm90._counters.values():
+        assert int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
 def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     """The long causal tile order (kernels/sm90/fwd.py: tile_coord, "l2") in its two rarer shapes:
