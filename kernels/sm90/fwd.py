@@ -231,26 +231,25 @@ class FlashAttnFwdSm90:
           d256 +0-2% at 512-2k (two Q stages do not fit there); 96- and 192-element rows do not
           split into 16-byte pieces over 128 threads.
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
-          global counter (dynamic_schedule) in the L2-grouped order: d64 +1.3%, d128 +3.0% at 4k.
-        * Long: d64, d128 and d256 persistent with the dynamic schedule, the others one CTA per
-          tile. A static walk lost there when causal (16k d128 427 vs 636 TFLOP/s: CTAs whose tiles
-          were short raced ahead over other heads' K/V); the counter keeps the tiles in flight a
-          window of the longest-first order: causal d64 +4.1% / +2.2% at 8k / 16k, d256 +2.6% /
-          +1.8%, d128 with two K/V stages, two Q stages and per-group O stores +5.1% / +1.9%.
-          Non-causal d128 runs 192 x 80 tiles (three consumer warp groups, three K/V stages):
-          +1-3% at 4k-16k over 128 x 128 with one CTA per tile, and +2% with the counter over a
-          static walk; d64 +3% at 4k over one CTA per tile. Short causal problems keep the
-          static snake walk (the counter: d64 -10% at 1k).
+          global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
+          d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
+        * Long: persistent with the dynamic schedule. A static walk lost there when causal (16k
+          d128 427 vs 636 TFLOP/s: CTAs whose tiles were short raced ahead over other heads' K/V);
+          the counter keeps the tiles in flight a window of the longest-first order. Against one
+          CTA per tile: causal d64 +4.1% / +2.2% at 8k / 16k, d256 +2.6% / +1.8%, d96 / d192 +1-2%
+          at 8k, d128 with two K/V stages, two Q stages and per-group O stores +5.1% / +1.9%;
+          non-causal d96 +8%, d192 +2%, d256 +1-1.5%. Non-causal d128 runs 192 x 80 tiles (three
+          consumer warp groups, three K/V stages): +1-3% at 4k-16k over 128 x 128, and +2% with
+          the counter over a static walk. Short problems keep the static walk (the counter:
+          causal d64 -10% at 1k, non-causal d128 equal).
         """
-        dynamic = dict(num_sms=num_sms, dynamic_schedule=True)
         if length == "long":
-            if head_dim not in (64, 128, 256) or (head_dim == 256 and not causal):
-                return {}
-            if head_dim == 128:
-                if causal:
-                    return dict(dynamic, num_stages=2, q_stages=2, wg_epilogue=True)
-                return dict(dynamic, tile_m=192, tile_n=80, num_stages=3)
-            return dynamic
+            config = dict(num_sms=num_sms, dynamic_schedule=True)
+            if 96 < head_dim <= 128 and causal:
+                config.update(num_stages=2, q_stages=2, wg_epilogue=True)
+            elif 96 < head_dim <= 128:
+                config.update(tile_m=192, tile_n=80, num_stages=3)
+            return config
         config = dict(num_sms=num_sms)
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
