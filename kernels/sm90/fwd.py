@@ -778,7 +778,11 @@ class FlashAttnFwdSm90:
             )
             if n_block_max > n_block_min:
                 pipeline_q.consumer_wait(q_state)
-                kv_state = self.mainloop(c, kv_state, n_block_min, n_block_max, block_ranges)
+                if m_block * self.tile_m + wg_idx * 64 < seqlen_q:
+                    kv_state = self.mainloop(c, kv_state, n_block_min, n_block_max, block_ranges)
+                else:
+                    # The last m_block of a ragged seqlen_q: none of this warp group's rows exist.
+                    kv_state = self.pass_blocks(c, kv_state, n_block_max - n_block_min)
                 if const_expr(self.separate_o):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
@@ -847,6 +851,35 @@ class FlashAttnFwdSm90:
                 kv_state = self.one_block_serial(
                     c, kv_state, n_block_unmasked - 1 - i, False, False, False
                 )
+        return kv_state
+
+    @cute.jit
+    def pass_blocks(self, c, kv_state, num_blocks):
+        """The mainloop's waits, releases and ping-pong turns without its GEMMs and softmax, for a
+        warp group whose rows all lie past seqlen_q: the other groups of the tile run as before,
+        and the tile costs about what its valid rows do (a third, at 4096 rows in 192-row tiles)."""
+        if const_expr(self.intra_wg_overlap):
+            c.pipeline_k.consumer_wait(kv_state)
+            c.pipeline_k.consumer_release(kv_state)
+            for _ in cutlass.range(num_blocks - 1, unroll=1):
+                kv_state_v = kv_state.clone()
+                kv_state.advance()
+                c.pipeline_k.consumer_wait(kv_state)
+                self.sched_wait(c.wg_idx)
+                c.pipeline_v.consumer_wait(kv_state_v)
+                self.sched_signal(c.wg_idx)
+                c.pipeline_k.consumer_release(kv_state)
+                c.pipeline_v.consumer_release(kv_state_v)
+            c.pipeline_v.consumer_wait(kv_state)
+            c.pipeline_v.consumer_release(kv_state)
+            kv_state.advance()
+        else:
+            for _ in cutlass.range(num_blocks, unroll=1):
+                c.pipeline_k.consumer_wait(kv_state)
+                c.pipeline_k.consumer_release(kv_state)
+                c.pipeline_v.consumer_wait(kv_state)
+                c.pipeline_v.consumer_release(kv_state)
+                kv_state.advance()
         return kv_state
 
     # ------------------------------------------------------------------ one K/V block
