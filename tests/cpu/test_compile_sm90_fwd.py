@@ -48,6 +48,9 @@ VARIANTS = [
                                        q_stages=2, dynamic_schedule=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="l2", dynamic_schedule=True)),
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True)),
+    # Long non-causal d64 keeps the DSL's sleeping pipeline waits (spin_waits=False).
+    (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, dynamic_schedule=True,
+                                       spin_waits=False)),
 ]
 
 
@@ -71,6 +74,8 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert "setmaxnreg" in report.ptx
     if tiles.get("prefetch_next"):
         assert "cp.async.bulk.prefetch.tensor" in report.ptx
+    # Pipeline waits: plain try_wait loops (spin_wait), or the DSL's wait with a suspend-time hint.
+    assert ("wait_again" in report.ptx) == tiles.get("spin_waits", True)
     # The dynamic schedule's counter: a relaxed atomic add (the tail split's are acq_rel).
     assert ("atom.global.add.u32" in report.ptx) == bool(tiles.get("dynamic_schedule"))
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"

@@ -67,6 +67,7 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert not short64.get("dynamic_schedule", False)
         long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, length="long", num_sms=132).init_kwargs)
         assert not long64.get("prefetch_next", False) and long64["dynamic_schedule"]
+        assert long64.get("spin_waits", True) == causal and short64.get("spin_waits", True)
         assert short64["wg_epilogue"] and short64.get("q_stages", 1) == (1 if causal else 2)
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
     for length, tile_m in (("short", 128), ("mid", 192), ("long", 192)):
