@@ -1129,13 +1129,14 @@ class FlashAttnFwdSm90:
 
 @dsl_user_op
 def spin_wait(mbar_ptr: cute.Pointer, phase: Int32, *, loc=None, ip=None) -> None:
-    """Wait for the mbarrier phase with mbarrier.try_wait and no suspend-time hint, in a loop."""
+    """Wait for the mbarrier phase with mbarrier.try_wait and no suspend-time hint, in a loop (a
+    memory clobber keeps the compiler from moving loads of what the barrier guards above it)."""
     llvm.inline_asm(
         None, [mbar_ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(phase).ir_value(loc=loc, ip=ip)],
         "{\n.reg .pred ready;\nwait_again:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 ready, [$0], $1;\n"
         "@!ready bra wait_again;\n}",
-        "r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        "r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
 
 
