@@ -561,8 +561,7 @@ class FlashAttnFwdSm90:
         return taken + cute.arch.grid_dim()[0]
 
     def sched_units(self, sched):
-        # A tensor view per use: one view shared by the producer's and the consumers' branches
-        # fails IR verification (a value created in one branch used in the other).
+        """The schedule's shared-memory slots, viewed where they are used (each role's own view)."""
         return cute.make_tensor(sched.units, cute.make_layout(_SCHED_STAGES))
 
     @cute.jit
