@@ -256,10 +256,11 @@ class FlashAttnFwdSm90:
             config = dict(num_sms=num_sms, dynamic_schedule=True)
             if head_dim <= 64 and not causal:
                 config["spin_waits"] = False
-            if 96 < head_dim <= 128 and causal:
-                config.update(num_stages=2, q_stages=2, wg_epilogue=True)
-            elif 96 < head_dim <= 128:
-                config.update(tile_m=192, tile_n=80, num_stages=3)
+            if 96 < head_dim <= 128:
+                if causal:
+                    config.update(num_stages=2, q_stages=2, wg_epilogue=True)
+                else:
+                    config.update(tile_m=192, tile_n=80, num_stages=3)
             return config
         config = dict(num_sms=num_sms)
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
