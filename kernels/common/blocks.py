@@ -8,6 +8,9 @@ Causal attention is bottom-right aligned: query i sees key j iff j <= i + seqlen
         Key blocks [n_block_min, n_block_max) hold every key some query of m_block sees.
         n_block_max may be 0 (every row of the block sees no key: out = 0, lse = -inf).
 
+    n_block_end = ranges.n_block_end(row_end, seqlen_q, seqlen_k)
+        Causal: key blocks [0, n_block_end) hold every key that query rows below row_end see.
+
     n_block_min_causal_mask = ranges.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, n_block_min)
         Key blocks n >= this value cross the causal diagonal of m_block and need the causal mask;
         blocks below it are fully visible. (Only the last block, n_block_max - 1, can also cross
@@ -40,11 +43,15 @@ class BlockRanges:
     def n_block_min_max(self, m_block: Int32, seqlen_q: Int32, seqlen_k: Int32):
         n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
         if cutlass.const_expr(self.causal):
-            # last query row of the block sees keys up to row + seqlen_k - seqlen_q
-            last_row_end = cutlass.min((m_block + 1) * self.tile_m, seqlen_q)
-            n_idx_end = cutlass.max(last_row_end + seqlen_k - seqlen_q, 0)
-            n_block_max = cutlass.min(n_block_max, cute.ceil_div(n_idx_end, self.tile_n))
+            last_row_end = (m_block + 1) * self.tile_m
+            n_block_max = cutlass.min(n_block_max, self.n_block_end(last_row_end, seqlen_q, seqlen_k))
         return Int32(0), n_block_max
+
+    @cute.jit
+    def n_block_end(self, row_end: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        # causal: query row i sees keys up to i + seqlen_k - seqlen_q
+        n_idx_end = cutlass.max(cutlass.min(row_end, seqlen_q) + seqlen_k - seqlen_q, 0)
+        return cute.ceil_div(n_idx_end, self.tile_n)
 
     @cute.jit
     def n_block_min_causal_mask(

@@ -804,11 +804,13 @@ class FlashAttnFwdSm90:
             )
             if n_block_max > n_block_min:
                 self.wait_full(pipeline_q, q_state)
-                if m_block * self.tile_m + wg_idx * 64 < seqlen_q:
-                    kv_state = self.mainloop(c, kv_state, n_block_min, n_block_max, block_ranges)
-                else:
-                    # The last m_block of a ragged seqlen_q: none of this warp group's rows exist.
-                    kv_state = self.pass_blocks(c, kv_state, n_block_max - n_block_min)
+                wg_n_block_max = self.wg_n_block_max(c, n_block_min, n_block_max, block_ranges)
+                runs_mainloop = wg_n_block_max > n_block_min
+                kv_state = self.pass_blocks(
+                    c, kv_state, n_block_max - cutlass.max(wg_n_block_max, n_block_min), runs_mainloop
+                )
+                if runs_mainloop:
+                    kv_state = self.mainloop(c, kv_state, n_block_min, wg_n_block_max, block_ranges)
                 if const_expr(self.separate_o):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
@@ -880,32 +882,38 @@ class FlashAttnFwdSm90:
         return kv_state
 
     @cute.jit
-    def pass_blocks(self, c, kv_state, num_blocks):
-        """The mainloop's waits, releases and ping-pong turns without its GEMMs and softmax, for a
-        warp group whose rows all lie past seqlen_q: the other groups of the tile run as before,
-        and the tile costs about what its valid rows do (a third, at 4096 rows in 192-row tiles)."""
-        if const_expr(self.intra_wg_overlap):
+    def wg_n_block_max(self, c, n_block_min, n_block_max, block_ranges):
+        """End of the K/V blocks this warp group's 64 rows need: n_block_min when none of its rows
+        exist (the last m_block of a ragged seqlen_q); causal, the end of its own rows' diagonal,
+        which for the first groups of a tile can lie a block before the tile's."""
+        wg_row = c.m_block * self.tile_m + c.wg_idx * 64
+        wg_n_block_max = n_block_min
+        if wg_row < c.seqlen_q:
+            wg_n_block_max = n_block_max
+            if const_expr(self.causal):
+                wg_n_block_max = cutlass.min(
+                    n_block_max, block_ranges.n_block_end(wg_row + 64, c.seqlen_q, c.seqlen_k)
+                )
+        return wg_n_block_max
+
+    @cute.jit
+    def pass_blocks(self, c, kv_state, num_blocks, mainloop_follows):
+        """The mainloop's waits, releases and ping-pong turns without its GEMMs and softmax, for
+        blocks this warp group does not need (wg_n_block_max): every block of the tile, when none
+        of its rows exist, or, causal, the first blocks visited, which only the tile's later rows
+        see. The other groups run as before and the tile costs about what its needed blocks do.
+        The mainloop takes a turn for every block but its first: a group passing the whole tile
+        takes one less, one passing blocks before its mainloop one per block."""
+        for i in cutlass.range(num_blocks, unroll=1):
             self.wait_full(c.pipeline_k, kv_state)
             c.pipeline_k.consumer_release(kv_state)
-            for _ in cutlass.range(num_blocks - 1, unroll=1):
-                kv_state_v = kv_state.clone()
-                kv_state.advance()
-                self.wait_full(c.pipeline_k, kv_state)
-                self.sched_wait(c.wg_idx)
-                self.wait_full(c.pipeline_v, kv_state_v)
-                self.sched_signal(c.wg_idx)
-                c.pipeline_k.consumer_release(kv_state)
-                c.pipeline_v.consumer_release(kv_state_v)
+            if const_expr(self.intra_wg_overlap):
+                if mainloop_follows or i > 0:
+                    self.sched_wait(c.wg_idx)
+                    self.sched_signal(c.wg_idx)
             self.wait_full(c.pipeline_v, kv_state)
             c.pipeline_v.consumer_release(kv_state)
             kv_state.advance()
-        else:
-            for _ in cutlass.range(num_blocks, unroll=1):
-                self.wait_full(c.pipeline_k, kv_state)
-                c.pipeline_k.consumer_release(kv_state)
-                self.wait_full(c.pipeline_v, kv_state)
-                c.pipeline_v.consumer_release(kv_state)
-                kv_state.advance()
         return kv_state
 
     # ------------------------------------------------------------------ one K/V block
