@@ -92,6 +92,7 @@ class FlashAttnFwdSm90:
         rescale_if_moved: bool = False,
         dynamic_schedule: bool = False,
         spin_waits: bool = True,
+        recompute_epilogue: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -134,6 +135,15 @@ class FlashAttnFwdSm90:
         # interleaved runs): d128 +1-2% long, +2-5% at 1k-2k; d64 non-causal 512 +3.5%; long
         # non-causal d64 -1 to -2%, so it keeps the DSL's wait (length_config).
         self.spin_waits = spin_waits
+        # Persistent CTAs: the epilogue's tile and thread coordinates are derived anew after each
+        # mainloop instead of being hoisted out of the tile loop by the compiler, which keeps them
+        # live through the mainloop. With those registers free, ptxas waits for a P V GEMM after
+        # the softmax's first dozen exp2 (as FA4 does) instead of before the first (long
+        # non-causal d64). Measured (two interleaved runs): long non-causal d64 +2.6 / +3.4-4.4 /
+        # +4.8-5.1% at 4k / 8k / 16k, short non-causal d256 +1.5 / +2.9-3.7 / +4.3% at 512 / 1k /
+        # 2k, short causal d128 +2.4-2.6% at 512, +1.3% at 2k; but short non-causal d64 -3.6% at
+        # 512, causal d64 -2 to -4%, non-causal d128 -1.5%: set per class in length_config.
+        self.recompute_epilogue = recompute_epilogue and num_sms > 0
         # Persistent CTAs take their next unit from a global counter (in the tile order) as they
         # finish, instead of a fixed stride: the units in flight stay a window of that order, and
         # a CTA whose tiles were short does not run ahead into other heads' K/V.
@@ -235,9 +245,10 @@ class FlashAttnFwdSm90:
           1k, -11% at 2k). Short d64 also warms L2 with the next tile's first blocks (prefetch_next):
           +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores its own rows of O
           (wg_epilogue) and Q is double-buffered (q_stages=2): non-causal d64/d128 +2-7% at
-          512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k; wg_epilogue alone: causal d64 +2-4%,
-          d256 +0-2% at 512-2k (two Q stages do not fit there); 96- and 192-element rows do not
-          split into 16-byte pieces over 128 threads.
+          512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k, causal d64 +4.4/+2.8/+1.7% at
+          512/1k/2k (mid: -1.9%); wg_epilogue alone: causal d64 +2-4%, d256 +0-2% at 512-2k (two Q
+          stages do not fit there); 96- and 192-element rows do not split into 16-byte pieces
+          over 128 threads.
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
@@ -251,11 +262,13 @@ class FlashAttnFwdSm90:
           the counter over a static walk. Short problems keep the static walk (the counter:
           causal d64 -10% at 1k, non-causal d128 equal). Long non-causal d64 keeps the DSL's
           sleeping pipeline waits (spin_waits: -1 to -2% there).
+        * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
+          causal d128.
         """
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True)
             if head_dim <= 64 and not causal:
-                config["spin_waits"] = False
+                config.update(spin_waits=False, recompute_epilogue=True)
             if 96 < head_dim <= 128:
                 if causal:
                     config.update(num_stages=2, q_stages=2, wg_epilogue=True)
@@ -271,12 +284,16 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
+            if causal and length == "short":
+                config["recompute_epilogue"] = True
+        if head_dim > 192 and not causal:
+            config["recompute_epilogue"] = True
         if head_dim <= 64:
             if length == "short":
                 config["prefetch_next"] = True
             if causal and length == "short":
                 config.update(tile_m=128, tile_n=128)
-            if not causal:
+            if not causal or length == "short":
                 config["q_stages"] = 2
         return config
 
@@ -766,7 +783,6 @@ class FlashAttnFwdSm90:
         # The factor O still owes the last softmax when O is rescaled early (rescale_o_early).
         row_scale = cute.make_rmem_tensor_like(softmax.row_max, Float32)
 
-        tOcO_mn = reshape_acc_to_mn(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         smem_copy_O = cute.make_tiled_copy_C(
             cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
             tiled_mma_pv,
@@ -814,16 +830,27 @@ class FlashAttnFwdSm90:
                 if const_expr(self.separate_o):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
+            # recompute_epilogue: from values the compiler cannot see through, so that it does not
+            # hoist what follows out of the tile loop (see __init__).
+            tidx_tile, unit_again = tidx, unit
+            if const_expr(self.recompute_epilogue):
+                tidx_tile, unit_again = opaque_i32(tidx), opaque_i32(unit)
+            m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
+                unit_again, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+            )
+            tOcO_mn = reshape_acc_to_mn(
+                tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            )
             softmax.rescale_O(acc_O, softmax.finalize())
             # O through its own buffer, or through this tile's stage of Q's.
             sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_state.index]
             store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
-                            mO_gmem, gmem_copy_O, mLSE, tidx, wg_idx, m_block, head, batch, seqlen_q)
+                            mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
                 if slot < 0:
                     store()
                 else:
-                    self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx, slot, split, mO_gmem, mLSE,
+                    self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx_tile, slot, split, mO_gmem, mLSE,
                                       m_block, head, batch, seqlen_q)
             else:
                 store()
@@ -1146,6 +1173,15 @@ def spin_wait(mbar_ptr: cute.Pointer, phase: Int32, *, loc=None, ip=None) -> Non
         "@!ready bra wait_again;\n}",
         "r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     )
+
+
+@dsl_user_op
+def opaque_i32(value: Int32, *, loc=None, ip=None) -> Int32:
+    """`value`, through an asm move the compiler cannot see through."""
+    return Int32(llvm.inline_asm(
+        cutlass.Int32.mlir_type, [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1; // opaque_i32", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
 
 
 def role_namespace(handles: dict | None) -> SimpleNamespace | None:

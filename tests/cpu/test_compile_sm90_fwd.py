@@ -2,9 +2,13 @@
 
 Each variant must use TMA loads (cp.async.bulk.tensor), wgmma, register reallocation between the
 producer and consumer warp groups (setmaxnreg), must not spill, and ptxas must not serialize the
-wgmma instructions (advisory C7512: it happens when the registers run out while a wgmma is in
-flight, and it cost the causal kernel a third to a half of its speed).
+wgmma instructions nor wait for them where we did not (advisories C7512: registers ran out while a
+wgmma was in flight, which cost the causal kernel a third to a half of its speed; C7515: something
+other than a wgmma defines an accumulator a wgmma may still write; C7517: a wait injected before a
+use of such registers).
 """
+
+import re
 
 import pytest
 
@@ -26,7 +30,8 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2)),
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=176, num_stages=2)),
     # The short-sequence causal d64 kernel (length_config), and O rescaled early at d192.
-    (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True)),
+    (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
+                                      wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 192, False, None),
     # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O.
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
@@ -34,10 +39,13 @@ VARIANTS = [
     (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
-                                       q_stages=2)),
+                                       q_stages=2, recompute_epilogue=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
     (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True)),
+    # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile.
+    (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
+                                        recompute_epilogue=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
@@ -53,7 +61,7 @@ VARIANTS = [
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=3, lpt="l2", intra_wg_overlap=False)),
     # Long non-causal d64 keeps the DSL's sleeping pipeline waits (spin_waits=False).
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, dynamic_schedule=True,
-                                       spin_waits=False)),
+                                       spin_waits=False, recompute_epilogue=True)),
 ]
 
 
@@ -82,8 +90,12 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert ("wait_again" in report.ptx) == tiles.get("spin_waits", True)
     # The dynamic schedule's counter: a relaxed atomic add (the tail split's are acq_rel).
     assert ("atom.global.add.u32" in report.ptx) == bool(tiles.get("dynamic_schedule"))
+    # The epilogue's coordinates derived per tile from opaque copies of the tile and thread index.
+    assert ("opaque_i32" in report.ptx) == bool(tiles.get("recompute_epilogue"))
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
-    assert logs and "C7512" not in logs[0], "ptxas serialized the wgmma instructions"
+    assert logs, "no ptxas log"
+    advisories = re.findall(r"\((C751[257])\)", logs[0])
+    assert not advisories, f"ptxas serialized or waited for wgmma instructions: {advisories}"
 
 
 def test_can_implement_rejects_what_this_path_does_not_serve():

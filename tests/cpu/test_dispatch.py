@@ -68,10 +68,17 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         long64 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, causal, length="long", num_sms=132).init_kwargs)
         assert not long64.get("prefetch_next", False) and long64["dynamic_schedule"]
         assert long64.get("spin_waits", True) == causal and short64.get("spin_waits", True)
-        assert short64["wg_epilogue"] and short64.get("q_stages", 1) == (1 if causal else 2)
+        assert long64.get("recompute_epilogue", False) == (not causal)
+        assert not short64.get("recompute_epilogue", False)
+        assert short64["wg_epilogue"] and short64["q_stages"] == 2
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
     for length, tile_m in (("short", 128), ("mid", 192), ("long", 192)):
         plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, True, length=length, num_sms=132).init_kwargs)
         assert plan["tile_m"] == tile_m and plan["num_sms"] == 132
         assert plan.get("dynamic_schedule", False) == (length != "short")
-    assert short["q_stages"] == 2 and short["wg_epilogue"]
+        assert plan.get("q_stages", 1) == (2 if length == "short" else 1)
+    assert short["q_stages"] == 2 and short["wg_epilogue"] and short["recompute_epilogue"]
+    assert not long.get("recompute_epilogue", False)
+    for causal in (False, True):
+        short256 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 256, causal, length="short", num_sms=132).init_kwargs)
+        assert short256.get("recompute_epilogue", False) == (not causal)
