@@ -830,14 +830,14 @@ class FlashAttnFwdSm90:
                 if const_expr(self.separate_o):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
-            # recompute_epilogue: from values the compiler cannot see through, so that it does not
-            # hoist what follows out of the tile loop (see __init__).
-            tidx_tile, unit_again = tidx, unit
+            tidx_tile = tidx
             if const_expr(self.recompute_epilogue):
-                tidx_tile, unit_again = opaque_i32(tidx), opaque_i32(unit)
-            m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
-                unit_again, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
-            )
+                # From values the compiler cannot see through, so that what the epilogue derives
+                # from them is not hoisted out of the tile loop (see __init__).
+                tidx_tile = opaque_i32(tidx)
+                m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
+                    opaque_i32(unit), seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+                )
             tOcO_mn = reshape_acc_to_mn(
                 tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
             )
