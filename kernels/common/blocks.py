@@ -47,9 +47,9 @@ class BlockRanges:
             n_block_max = cutlass.min(n_block_max, self.n_block_end(last_row_end, seqlen_q, seqlen_k))
         return Int32(0), n_block_max
 
-    @cute.jit
     def n_block_end(self, row_end: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        # causal: query row i sees keys up to i + seqlen_k - seqlen_q
+        # causal: query row i sees keys up to i + seqlen_k - seqlen_q (straight-line arithmetic,
+        # so it also runs on Python ints, as the CPU tests do)
         n_idx_end = cutlass.max(cutlass.min(row_end, seqlen_q) + seqlen_k - seqlen_q, 0)
         return cute.ceil_div(n_idx_end, self.tile_n)
 

@@ -81,6 +81,13 @@ def test_causal_block_ranges_match_brute_force(tile_m, tile_n):
             for n in range(_cdiv(sk, tile_n)):
                 assert lo <= n < hi or not seen(m, n, any), (sq, sk, m, n)
                 assert not (lo <= n < min(first_masked, hi)) or seen(m, n, all), (sq, sk, m, n)
+            # The sm90 forward's warp groups: the rows below row_end see no key block from
+            # n_block_end on, and some of them see the block before it.
+            for row_end in range(m * tile_m + 64, min((m + 1) * tile_m, sq) + 64, 64):
+                end = int(r.n_block_end(row_end, sq, sk))
+                visible = [n for n in range(_cdiv(sk, tile_n))
+                           if any(j <= i + sk - sq for i in range(min(row_end, sq)) for j in cols(n))]
+                assert end == (max(visible) + 1 if visible else 0), (sq, sk, row_end, end)
         for n in range(_cdiv(sk, tile_n)):
             lo, hi = (int(x) for x in fn["m_block_min_max"](r, n, sq, sk))
             last_masked = int(fn["m_block_max_causal_mask"](r, n, sq, sk, lo))
