@@ -46,7 +46,7 @@ def launcher(compiled, config: dict) -> Callable:
     tile_m, tile_n, head_dim = config["tile_m"], config["tile_n"], config["head_dim"]
     num_sms = config.get("num_sms", 0)
     splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, config["causal"])
-    counts_units = num_sms > 0 and config.get("dynamic_schedule", False)
+    counts_units = FlashAttnFwdSm90.dynamic_schedule_enabled(num_sms, config.get("dynamic_schedule", False))
 
     def launch(q, k, v, out, lse, softmax_scale):
         split_tiles, splits = 0, 1

@@ -41,7 +41,8 @@ def fake_rowstat(dtype: type[cutlass.Numeric] = cutlass.Float32) -> cute.Tensor:
 
 def fake_tail_split_workspace(head_dim: int) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:
     """The sm90 forward's tail-split workspace: O (pieces, tile_m, head_dim) and LSE (pieces, tile_m)
-    of every piece in float32, and one int32 counter per split tile."""
+    of every piece in float32, and the int32 counters: one per split tile, then the dynamic
+    schedule's."""
     # Rows of 16-byte vectors (the merge reads them so); head_dim is a multiple of 8.
     o = make_fake_tensor(cutlass.Float32, (_sym_extent(), _sym_extent(), head_dim),
                          (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1), assumed_align=16)

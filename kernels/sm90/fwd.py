@@ -118,7 +118,10 @@ class FlashAttnFwdSm90:
         self.rescale_if_moved = rescale_if_moved
         # Persistent CTAs with a static walk only (the dynamic schedule knows the next tile late):
         # the producer prefetches the next tile's Q and first K, V block to L2.
-        self.prefetch_next = prefetch_next and num_sms > 0 and not dynamic_schedule
+        self.prefetch_next = (
+            prefetch_next and num_sms > 0
+            and not FlashAttnFwdSm90.dynamic_schedule_enabled(num_sms, dynamic_schedule)
+        )
         # Each consumer warp group stores its own 64 rows of O (16-byte stores from smem) and goes
         # on to its next tile, instead of all groups meeting for one TMA store per tile.
         self.wg_epilogue = wg_epilogue
@@ -147,7 +150,7 @@ class FlashAttnFwdSm90:
         # Persistent CTAs take their next unit from a global counter (in the tile order) as they
         # finish, instead of a fixed stride: the units in flight stay a window of that order, and
         # a CTA whose tiles were short does not run ahead into other heads' K/V.
-        self.dynamic_schedule = dynamic_schedule and num_sms > 0
+        self.dynamic_schedule = FlashAttnFwdSm90.dynamic_schedule_enabled(num_sms, dynamic_schedule)
         # Tail split: the host decides per call (tail_split_plan).
         self.splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, causal)
         # Q stages: with two, the producer loads the next tile's Q while this one runs.
@@ -296,6 +299,11 @@ class FlashAttnFwdSm90:
             if not causal or length == "short":
                 config["q_stages"] = 2
         return config
+
+    @staticmethod
+    def dynamic_schedule_enabled(num_sms: int, dynamic_schedule: bool) -> bool:
+        """Only persistent CTAs take their tiles from the counter (which the host then passes)."""
+        return num_sms > 0 and dynamic_schedule
 
     @staticmethod
     def tail_split_enabled(num_sms: int, causal: bool) -> bool:
