@@ -93,6 +93,7 @@ class FlashAttnFwdSm90:
         dynamic_schedule: bool = False,
         spin_waits: bool = True,
         recompute_epilogue: bool = False,
+        q_by_group: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -161,6 +162,13 @@ class FlashAttnFwdSm90:
             <= _SMEM_BYTES
         )
         self.num_wg_mma = tile_m // 64
+        # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
+        # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
+        # releases them, and the producer loads them for the next tile while the other groups
+        # still run this one. With one Q buffer (d256), a whole-tile Q leaves every group waiting
+        # for the last group's epilogue and then for the load.
+        self.q_by_group = q_by_group and (wg_epilogue or self.separate_o)
+        self.q_pieces = self.num_wg_mma if self.q_by_group else 1
         self.pingpong = pingpong and self.num_wg_mma >= 2
         self.num_mma_threads = 128 * self.num_wg_mma
         self.num_threads = 128 + self.num_mma_threads
@@ -267,11 +275,18 @@ class FlashAttnFwdSm90:
           sleeping pipeline waits (spin_waits: -1 to -2% there).
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
+        * q_by_group (see __init__; session 8, three interleaved runs): d256 short and mid +0.7 to
+          +1.8% in every cell, long causal d256 with per-group O stores +0.7 to +2.9%, short
+          non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
+          +1.6-1.9 / +1.1% at 4k / 8k (16k -0.8%); it lost 1-3% at short d64, causal d128 and
+          long non-causal d128.
         """
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True)
             if head_dim <= 64 and not causal:
-                config.update(spin_waits=False, recompute_epilogue=True)
+                config.update(spin_waits=False, recompute_epilogue=True, q_by_group=True)
+            if head_dim > 192 and causal:
+                config.update(wg_epilogue=True, q_by_group=True)
             if 96 < head_dim <= 128:
                 if causal:
                     config.update(num_stages=2, q_stages=2, wg_epilogue=True)
@@ -287,10 +302,12 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
-            if causal and length == "short":
+            if length == "short":
+                config["recompute_epilogue" if causal else "q_by_group"] = True
+        if head_dim > 192:
+            config["q_by_group"] = True
+            if not causal:
                 config["recompute_epilogue"] = True
-        if head_dim > 192 and not causal:
-            config["recompute_epilogue"] = True
         if head_dim <= 64:
             if length == "short":
                 config["prefetch_next"] = True
@@ -378,8 +395,13 @@ class FlashAttnFwdSm90:
         )
 
         # TMA descriptors are built here, from the dynamic-layout tensors of this call.
+        q_piece_rows = self.tile_m // self.q_pieces
+        # The first piece's rows within Q's (tile_m, head_dim) layout.
+        sQ_piece_layout = cute.composition(
+            sQ_stage_layout, cute.make_layout((q_piece_rows, self.head_dim), stride=(1, self.tile_m))
+        )
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_stage_layout, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_piece_layout, (q_piece_rows, self.head_dim)
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)),
@@ -392,12 +414,13 @@ class FlashAttnFwdSm90:
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_stage_layout, (self.tile_m, self.head_dim)
         )
-        self.tx_bytes_Q = cute.size_in_bytes(self.dtype, sQ_stage_layout)
+        # Not size_in_bytes: that counts the layout's cosize, and a piece's rows are strided.
+        self.tx_bytes_Q = cute.size(sQ_piece_layout) * self.dtype.width // 8
         self.tx_bytes_KV = cute.size_in_bytes(self.dtype, cute.slice_(sK_layout, (None, None, 0)))
 
         @cute.struct
         class SharedStorage:
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_stages * self.q_pieces]
             mbar_K: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             mbar_V: cute.struct.MemRange[cutlass.Int64, 2 * self.num_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
@@ -462,9 +485,11 @@ class FlashAttnFwdSm90:
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync releases with one elected thread per consumer warp.
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
+        # With q_by_group, stage q_stage * q_pieces + g holds warp group g's rows of Q stage q_stage.
         pipeline_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=self.q_stages,
-            producer_group=tma_warp, consumer_group=mma_warps,
+            barrier_storage=storage.mbar_Q.data_ptr(), num_stages=self.q_stages * self.q_pieces,
+            producer_group=tma_warp,
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32 // self.q_pieces),
             tx_count=self.tx_bytes_Q, defer_sync=True,
         )
         pipeline_k, pipeline_v = [
@@ -654,7 +679,7 @@ class FlashAttnFwdSm90:
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages * self.q_pieces)
         num_units = self.num_units(seqlen_q, num_heads, num_batch, split)
         round_idx = Int32(0)
         unit = self.unit_of_round(round_idx)
@@ -675,10 +700,11 @@ class FlashAttnFwdSm90:
                 # O) until the consumers release it.
                 if const_expr(self.q_stages == 1):
                     load_K(n_block_max - 1, kv_state)
-                self.acquire_empty(pipeline_q, q_state)
-                cute.copy(tma_atom_Q, tQgQ, tQsQ[None, q_state.index],
-                          tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
-                q_state.advance()
+                for piece in cutlass.range_constexpr(self.q_pieces):
+                    self.acquire_empty(pipeline_q, q_state)
+                    cute.copy(tma_atom_Q, tQgQ[None, piece], tQsQ[None, piece, q_state.index // self.q_pieces],
+                              tma_bar_ptr=pipeline_q.producer_get_barrier(q_state))
+                    q_state.advance()
                 if const_expr(self.q_stages > 1):
                     load_K(n_block_max - 1, kv_state)
                 if const_expr(self.prefetch_next):
@@ -720,7 +746,12 @@ class FlashAttnFwdSm90:
             unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
         )
         head_kv = head // (num_heads // mK.shape[2])
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        # Q by pieces of a tile's rows (q_by_group), smem (rows, d, piece, stage), gmem (rows, d, piece).
+        q_piece_rows = self.tile_m // self.q_pieces
+        gQ = cute.local_tile(mQ[None, None, head, batch], (q_piece_rows, self.head_dim), (None, 0))
+        gQ = cute.local_tile(gQ, (q_piece_rows, self.head_dim, self.q_pieces), (0, 0, m_block))
+        sQ = cute.flat_divide(sQ, (q_piece_rows, self.head_dim))
+        sQ = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[0, 1, 2, 4]))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
         no_mcast = cute.make_layout(1)
@@ -740,7 +771,8 @@ class FlashAttnFwdSm90:
                 unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
             )
             if n_block_max > n_block_min:
-                cute.prefetch(tma_atom_Q, tQgQ)
+                for piece in cutlass.range_constexpr(self.q_pieces):
+                    cute.prefetch(tma_atom_Q, tQgQ[None, piece])
                 cute.prefetch(tma_atom_K, tKgK[None, n_block_max - 1])
                 cute.prefetch(tma_atom_V, tVgV[None, n_block_max - 1])
 
@@ -806,7 +838,10 @@ class FlashAttnFwdSm90:
         num_heads, num_batch = mO.shape[2], mO.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_stages)
+        # This warp group's first Q stage: its own piece of the first Q buffer (q_by_group).
+        q_state = pipeline.PipelineState(
+            self.q_stages * self.q_pieces, Int32(0), wg_idx if const_expr(self.q_by_group) else Int32(0), Int32(0)
+        )
         num_units = self.num_units(seqlen_q, num_heads, num_batch, split)
         round_idx = Int32(0)
         unit = self.unit_of_round(round_idx)
@@ -824,7 +859,7 @@ class FlashAttnFwdSm90:
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_state.index,
+                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_state.index // self.q_pieces,
             )
             if n_block_max > n_block_min:
                 self.wait_full(pipeline_q, q_state)
@@ -851,7 +886,7 @@ class FlashAttnFwdSm90:
             )
             softmax.rescale_O(acc_O, softmax.finalize())
             # O through its own buffer, or through this tile's stage of Q's.
-            sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_state.index]
+            sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_state.index // self.q_pieces]
             store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
                             mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
@@ -866,7 +901,8 @@ class FlashAttnFwdSm90:
                 if const_expr(not self.separate_o):
                     # O went out through Q's buffer; the epilogue waited until TMA had read it.
                     pipeline_q.consumer_release(q_state)
-                q_state.advance()
+                for _ in cutlass.range_constexpr(self.q_pieces):
+                    q_state.advance()
             round_idx += 1
             if const_expr(self.dynamic_schedule):
                 unit, sched_state = self.receive_unit(sched, sched_state)

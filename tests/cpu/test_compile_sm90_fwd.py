@@ -36,16 +36,19 @@ VARIANTS = [
     # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O.
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
                                        wg_epilogue=True, q_stages=2)),
-    (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2)),
+    (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2,
+                                       q_by_group=True)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
                                        q_stages=2, recompute_epilogue=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
-    (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True)),
+    # Short d256 loads Q by warp group (one Q buffer, which O passes through).
+    (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
+                                       q_by_group=True)),
     # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile.
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
-                                        recompute_epilogue=True)),
+                                        recompute_epilogue=True, q_by_group=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
@@ -55,13 +58,16 @@ VARIANTS = [
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="l2", wg_epilogue=True,
                                        q_stages=2, dynamic_schedule=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="l2", dynamic_schedule=True)),
-    (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True)),
+    (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True,
+                                      wg_epilogue=True, q_by_group=True)),
+    (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, dynamic_schedule=True)),
     # No overlap inside a warp group (one_block_serial, and pass_blocks' serial form): not a
     # dispatched launch, kept to measure the overlap against; compiled here so that it stays sound.
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=3, lpt="l2", intra_wg_overlap=False)),
-    # Long non-causal d64 keeps the DSL's sleeping pipeline waits (spin_waits=False).
+    # Long non-causal d64 keeps the DSL's sleeping pipeline waits (spin_waits=False); Q by warp
+    # group in three pieces.
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, dynamic_schedule=True,
-                                       spin_waits=False, recompute_epilogue=True)),
+                                       spin_waits=False, recompute_epilogue=True, q_by_group=True)),
 ]
 
 
@@ -92,10 +98,21 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert ("atom.global.add.u32" in report.ptx) == bool(tiles.get("dynamic_schedule"))
     # The epilogue's coordinates derived per tile from opaque copies of the tile and thread index.
     assert ("opaque_i32" in report.ptx) == bool(tiles.get("recompute_epilogue"))
+    # Q's load announces its bytes: a whole tile's, or one warp group's 64 rows (q_by_group).
+    # The DSL's size_in_bytes would count the cosize of a piece's strided rows.
+    q_rows = 64 if kernel.q_by_group else kernel.tile_m
+    assert q_rows * head_dim * dtype.width // 8 in expect_tx_bytes(report.ptx)
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
     advisories = re.findall(r"\((C751[257])\)", logs[0])
     assert not advisories, f"ptxas serialized or waited for wgmma instructions: {advisories}"
+
+
+def expect_tx_bytes(ptx: str) -> set[int]:
+    """The byte counts that mbarrier.arrive.expect_tx announces (immediates moved into its operand)."""
+    immediates = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", ptx))
+    operands = re.findall(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+[^,]+,\s*\[[^\]]+\],\s*(%r\d+|\d+);", ptx)
+    return {int(immediates.get(op, op)) for op in operands if op.isdigit() or op in immediates}
 
 
 def test_can_implement_rejects_what_this_path_does_not_serve():

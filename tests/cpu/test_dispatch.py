@@ -69,6 +69,7 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert not long64.get("prefetch_next", False) and long64["dynamic_schedule"]
         assert long64.get("spin_waits", True) == causal and short64.get("spin_waits", True)
         assert long64.get("recompute_epilogue", False) == (not causal)
+        assert long64.get("q_by_group", False) == (not causal) and not short64.get("q_by_group", False)
         assert not short64.get("recompute_epilogue", False)
         assert short64["wg_epilogue"] and short64["q_stages"] == 2
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
@@ -82,3 +83,7 @@ def test_length_buckets_reach_the_sm90_launch_settings():
     for causal in (False, True):
         short256 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 256, causal, length="short", num_sms=132).init_kwargs)
         assert short256.get("recompute_epilogue", False) == (not causal)
+        long256 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 256, causal, length="long", num_sms=132).init_kwargs)
+        # Q by warp group wherever O goes out per group (short, mid, long causal d256).
+        assert short256["q_by_group"] and short256["wg_epilogue"]
+        assert long256.get("q_by_group", False) == causal == long256.get("wg_epilogue", False)
