@@ -147,7 +147,7 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     for cls in _forward_classes(kernel_family(capability)):
         tiles = cls.default_tiles(cdtype, head_dim, causal)
         if hasattr(cls, "length_config"):
-            tiles.update(cls.length_config(head_dim, causal, length, sm_count() if num_sms is None else num_sms))
+            tiles.update(cls.length_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms))
         if cls.can_implement(cdtype, head_dim, causal, **tiles):
             kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
             return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), fake_forward_args(cls, cdtype, head_dim),

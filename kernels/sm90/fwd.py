@@ -240,7 +240,7 @@ class FlashAttnFwdSm90:
         return tiles
 
     @staticmethod
-    def length_config(head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
+    def length_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
         """Init arguments for a length class (dispatch.length_class: "short" up to 2048 keys,
         "mid" causal up to 4096, "long").
 
@@ -278,13 +278,13 @@ class FlashAttnFwdSm90:
         * q_by_group (see __init__; session 8, three interleaved runs): d256 short and mid +0.7 to
           +1.8% in every cell, long causal d256 with per-group O stores +0.7 to +2.9%, short
           non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
-          +1.6-1.9 / +1.1% at 4k / 8k (16k -0.8%); it lost 1-3% at short d64, causal d128 and
-          long non-causal d128.
+          +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
+          only there); it lost 1-3% at short d64, causal d128 and long non-causal d128.
         """
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True)
             if head_dim <= 64 and not causal:
-                config.update(spin_waits=False, recompute_epilogue=True, q_by_group=True)
+                config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16)
             if head_dim > 192 and causal:
                 config.update(wg_epilogue=True, q_by_group=True)
             if 96 < head_dim <= 128:

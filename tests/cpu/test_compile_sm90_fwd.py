@@ -8,6 +8,7 @@ other than a wgmma defines an accumulator a wgmma may still write; C7517: a wait
 use of such registers).
 """
 
+import itertools
 import re
 
 import pytest
@@ -126,12 +127,12 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
     # Per-warp-group O stores need rows of O that 128 threads cover in 16-byte pieces.
     assert not FlashAttnFwdSm90.can_implement(cutlass.BFloat16, 96, False, wg_epilogue=True)
     for head_dim in (64, 96, 128, 192, 256):
-        for causal in (False, True):
-            base = FlashAttnFwdSm90.default_tiles(cutlass.BFloat16, head_dim, causal)
-            assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **base)
+        for causal, dtype in itertools.product((False, True), (cutlass.BFloat16, cutlass.Float16)):
+            base = FlashAttnFwdSm90.default_tiles(dtype, head_dim, causal)
+            assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **base)
             for length in ("short", "mid", "long") if causal else ("short", "long"):
-                tiles = dict(base, **FlashAttnFwdSm90.length_config(head_dim, causal, length, 132))
-                assert FlashAttnFwdSm90.can_implement(cutlass.BFloat16, head_dim, causal, **tiles)
+                tiles = dict(base, **FlashAttnFwdSm90.length_config(dtype, head_dim, causal, length, 132))
+                assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **tiles)
 
 
 def test_tail_split_plan():
