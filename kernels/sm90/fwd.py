@@ -5,8 +5,9 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
 * A tile is one (tile_m x head_dim) block of O for one (batch, head). A CTA computes one tile,
   or, persistent (`num_sms` > 0), tiles blockIdx.x, blockIdx.x + gridDim.x, ... with its
   pipelines running on from tile to tile.
-* Warp group 0 is the producer: one warp issues TMA loads of Q (once per tile) and of K, V (one
-  n_block at a time) into a `num_stages`-deep shared-memory ring guarded by mbarriers
+* Warp group 0 is the producer: one warp issues TMA loads of Q (once per tile; with `q_by_group`
+  in one piece per consumer warp group) and of K, V (one n_block at a time) into a
+  `num_stages`-deep shared-memory ring guarded by mbarriers
   (`cutlass.pipeline.PipelineTmaAsync`). It gives most of its registers to the consumers
   (`setmaxnreg`).
 * Warp groups 1..num_wg_mma are consumers; each owns 64 rows of the Q tile and runs
@@ -169,6 +170,7 @@ class FlashAttnFwdSm90:
         # for the last group's epilogue and then for the load.
         self.q_by_group = q_by_group and (wg_epilogue or self.separate_o)
         self.q_pieces = self.num_wg_mma if self.q_by_group else 1
+        self.q_piece_rows = tile_m // self.q_pieces
         self.pingpong = pingpong and self.num_wg_mma >= 2
         self.num_mma_threads = 128 * self.num_wg_mma
         self.num_threads = 128 + self.num_mma_threads
@@ -395,13 +397,12 @@ class FlashAttnFwdSm90:
         )
 
         # TMA descriptors are built here, from the dynamic-layout tensors of this call.
-        q_piece_rows = self.tile_m // self.q_pieces
         # The first piece's rows within Q's (tile_m, head_dim) layout.
         sQ_piece_layout = cute.composition(
-            sQ_stage_layout, cute.make_layout((q_piece_rows, self.head_dim), stride=(1, self.tile_m))
+            sQ_stage_layout, cute.make_layout((self.q_piece_rows, self.head_dim), stride=(1, self.tile_m))
         )
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_piece_layout, (q_piece_rows, self.head_dim)
+            cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_piece_layout, (self.q_piece_rows, self.head_dim)
         )
         tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mK, cute.slice_(sK_layout, (None, None, 0)),
@@ -485,11 +486,12 @@ class FlashAttnFwdSm90:
         tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         # PipelineTmaAsync releases with one elected thread per consumer warp.
         mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32)
-        # With q_by_group, stage q_stage * q_pieces + g holds warp group g's rows of Q stage q_stage.
+        # With q_by_group, stage q_stage * q_pieces + g holds warp group g's rows of Q stage q_stage,
+        # which only g's warps release.
+        q_piece_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32 // self.q_pieces)
         pipeline_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_Q.data_ptr(), num_stages=self.q_stages * self.q_pieces,
-            producer_group=tma_warp,
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads // 32 // self.q_pieces),
+            producer_group=tma_warp, consumer_group=q_piece_warps,
             tx_count=self.tx_bytes_Q, defer_sync=True,
         )
         pipeline_k, pipeline_v = [
@@ -747,10 +749,9 @@ class FlashAttnFwdSm90:
         )
         head_kv = head // (num_heads // mK.shape[2])
         # Q by pieces of a tile's rows (q_by_group), smem (rows, d, piece, stage), gmem (rows, d, piece).
-        q_piece_rows = self.tile_m // self.q_pieces
-        gQ = cute.local_tile(mQ[None, None, head, batch], (q_piece_rows, self.head_dim), (None, 0))
-        gQ = cute.local_tile(gQ, (q_piece_rows, self.head_dim, self.q_pieces), (0, 0, m_block))
-        sQ = cute.flat_divide(sQ, (q_piece_rows, self.head_dim))
+        gQ = cute.local_tile(mQ[None, None, head, batch], (self.q_piece_rows, self.head_dim), (None, 0))
+        gQ = cute.local_tile(gQ, (self.q_piece_rows, self.head_dim, self.q_pieces), (0, 0, m_block))
+        sQ = cute.flat_divide(sQ, (self.q_piece_rows, self.head_dim))
         sQ = cute.make_tensor(sQ.iterator, cute.select(sQ.layout, mode=[0, 1, 2, 4]))
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gVt = cute.local_tile(mVt[None, None, head_kv, batch], (self.head_dim, self.tile_n), (0, None))
@@ -855,11 +856,12 @@ class FlashAttnFwdSm90:
             )
             acc_O.fill(0.0)
             softmax.reset()
+            q_buffer = q_state.index // self.q_pieces  # this tile's Q stage (a piece's stage with q_by_group)
             c = SimpleNamespace(
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_state.index // self.q_pieces,
+                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_buffer,
             )
             if n_block_max > n_block_min:
                 self.wait_full(pipeline_q, q_state)
@@ -886,7 +888,7 @@ class FlashAttnFwdSm90:
             )
             softmax.rescale_O(acc_O, softmax.finalize())
             # O through its own buffer, or through this tile's stage of Q's.
-            sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_state.index // self.q_pieces]
+            sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_buffer]
             store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
                             mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
