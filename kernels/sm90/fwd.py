@@ -277,7 +277,7 @@ class FlashAttnFwdSm90:
           sleeping pipeline waits (spin_waits: -1 to -2% there).
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
-        * q_by_group (see __init__; session 8, three interleaved runs): d256 short and mid +0.7 to
+        * q_by_group (see __init__; session 8, interleaved runs 3-9 of the variant log): d256 short and mid +0.7 to
           +1.8% in every cell, long causal d256 with per-group O stores +0.7 to +2.9%, short
           non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
           +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
@@ -304,8 +304,10 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
-            if length == "short":
-                config["recompute_epilogue" if causal else "q_by_group"] = True
+            if length == "short" and causal:
+                config["recompute_epilogue"] = True
+            elif length == "short":
+                config["q_by_group"] = True
         if head_dim > 192:
             config["q_by_group"] = True
             if not causal:
