@@ -53,7 +53,8 @@ def launcher(compiled, config: dict) -> Callable:
         if splits_tail:
             batch, seqlen_q, heads, _ = q.shape
             num_tiles = -(-seqlen_q // tile_m) * heads * batch
-            split_tiles, splits = FlashAttnFwdSm90.tail_split_plan(num_tiles, -(-k.shape[1] // tile_n), num_sms)
+            split_tiles, splits = FlashAttnFwdSm90.tail_split_plan(
+                num_tiles, -(-k.shape[1] // tile_n), num_sms, FlashAttnFwdSm90.tail_work(seqlen_q, tile_m, heads * batch))
         if split_tiles:
             pieces = split_tiles * splits
             workspace = (

@@ -143,6 +143,14 @@ def test_tail_split_plan():
     assert plan(10, 100, 132) == (10, 4)  # fewer tiles than SMs: at most four pieces
     assert plan(10, 5, 132) == (10, 2)  # pieces keep at least two K/V blocks
     assert plan(10, 3, 132) == (0, 1)
+    # A head's last tile costs only its warp groups with rows: 4096 rows of 192 leave 64 (a third).
+    work = FlashAttnFwdSm90.tail_work
+    assert work(4096, 192, 64) == work(8192, 192, 32) == 1366 and work(4096, 128, 64) == 2048
+    assert work(256, 192, 45) == 60
+    assert plan(1408, 52, 132, 1366) == (46, 2)  # 88 tiles left, but only 46 of work
+    assert plan(90, 32, 132, 60) == (60, 2)
+    assert plan(1376, 103, 132, 1366) == (56, 2)  # the tiles' own plan comes first
+    assert plan(2048, 32, 132, 2048) == (0, 1)
     for tiles in range(1, 600):
         split_tiles, splits = plan(tiles, 64, 132)
         assert split_tiles * splits <= 132 and split_tiles <= tiles

@@ -158,25 +158,33 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("head_dim,batch,seqlens,nheads,nheads_kv", [
-    (128, 1, (2200, 3001), 64, 64),   # 12 x 64 = 768 tiles of 192 rows: 108 left over, no split
-    (128, 1, (2300, 3001), 58, 29),   # 12 x 58 = 696 tiles: the last 36 run as 3 pieces each
-    (64, 2, (3000, 2500), 5, 1),      # 16 x 10 = 160 tiles: the last 28 run as 4 pieces each
-    (128, 1, (5000, 6000), 1, 1),     # fewer tiles than SMs: each one in 4 pieces
-    (64, 3, (300, 4100), 2, 2),       # short query, long keys: 12 tiles, 4 pieces each
+@pytest.mark.parametrize("head_dim,batch,seqlens,nheads,nheads_kv,plan_on_132", [
+    (128, 1, (2200, 3001), 64, 64, (0, 1)),   # 12 x 64 = 768 tiles of 192 rows: 108 left over, no split
+    (128, 1, (2300, 3001), 58, 29, (36, 3)),  # 12 x 58 = 696 tiles: the last 36 run as 3 pieces each
+    (64, 2, (3000, 2500), 5, 1, (28, 4)),     # 16 x 10 = 160 tiles: the last 28 run as 4 pieces each
+    (128, 1, (5000, 6000), 1, 1, (27, 4)),    # fewer tiles than SMs: each one in 4 pieces
+    (64, 3, (300, 4100), 2, 2, (12, 4)),      # short query, long keys: 12 tiles, 4 pieces each
+    (128, 5, (256, 2500), 9, 3, (60, 2)),     # 2 x 45 = 90 tiles, 60 of work (the second has 64 rows)
 ])
-def test_tail_split(family, dtype, head_dim, batch, seqlens, nheads, nheads_kv):
+def test_tail_split(family, monkeypatch, dtype, head_dim, batch, seqlens, nheads, nheads_kv, plan_on_132):
     """Long non-causal problems run persistent CTAs whose last, partial round of tiles is cut along
     the keys into pieces that merge through a global workspace (kernels/sm90/fwd.py:
-    tail_split_plan, merge_pieces). The piece counters are left at zero for the next call."""
+    tail_split_plan, merge_pieces). The piece counters are left at zero for the next call. On an
+    H100's 132 SMs the sm90 kernel must have planned `plan_on_132`."""
     from cute_flash import forward_sm90
+    from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
 
+    plans = []
+    planner = FlashAttnFwdSm90.tail_split_plan
+    monkeypatch.setattr(FlashAttnFwdSm90, "tail_split_plan", staticmethod(lambda *a: plans.append(planner(*a)) or plans[-1]))
     torch.manual_seed(head_dim + seqlens[0])
     assert dispatch.length_class(seqlens[1], False) == "long"
     # The second call reuses the counters the first one left behind.
     check_shape(batch, seqlens, nheads, nheads_kv, head_dim, False, dtype=dtype, calls=2)
     for counters in forward_sm90._counters.values():
         assert int(counters.abs().sum()) == 0
+    if family != "sm80" and dispatch.sm_count() == 132:
+        assert plans == [plan_on_132] * 2
 
 
 def test_one_compile_serves_every_length(family):
