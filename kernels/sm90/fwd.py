@@ -608,18 +608,25 @@ class FlashAttnFwdSm90:
     @cute.jit
     def unit_of_round(self, round_idx: Int32) -> Int32:
         """This CTA's unit of work in round `round_idx` of a persistent walk (one CTA per tile:
-        round 0 only); units are tiles, then the tail split's pieces (unit_work). With the per-head
-        causal order, odd rounds run backwards (a snake), so a CTA that got one of a round's first,
-        longest tiles gets one of the next round's last, shortest: with a grid that is a multiple of
-        the m_blocks per head, a plain stride hands each CTA the same m_block every round
-        (measured: d64 causal 2k 245 vs 384 TFLOP/s). The "l2" order is longest first across the
-        whole grid already; the plain stride keeps that (the snake measured 2-3% slower there).
+        round 0 only); units are tiles, then the tail split's pieces (unit_work). A round is the
+        next grid-size units, so the tiles that run together (and share K/V in L2) stay those of
+        the tile order; only which CTA takes which changes. A plain stride would hand a CTA the
+        same m_block every round whenever the grid is a multiple of the m_blocks per head, so
+        one CTA would get every short tile: with the per-head causal order odd rounds run
+        backwards (a snake: a CTA that got one of a round's first, longest tiles gets one of the
+        next round's last, shortest; measured d64 causal 2k 245 vs 384 TFLOP/s against the plain
+        stride), and otherwise each round turns by one CTA, so the heads' partial last tiles
+        (which cost only their warp groups with rows, pass_blocks) spread over all CTAs
+        (measured, session 9: non-causal d64 +4.6 / +4.9 / +1.3% at 512 / 1k / 2k keys, where
+        192-row tiles leave every third, sixth or eleventh tile partial; d128 / d256 equal).
         """
         cta, grid = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         lane = cta
         if const_expr(self.lpt == "head"):
             if round_idx % 2 == 1:
                 lane = grid - 1 - cta
+        else:
+            lane = (cta + round_idx) % grid
         return round_idx * grid + lane
 
     @cute.jit
