@@ -174,9 +174,13 @@ def test_tail_split(family, monkeypatch, dtype, head_dim, batch, seqlens, nheads
     from cute_flash import forward_sm90
     from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
 
-    plans = []
-    planner = FlashAttnFwdSm90.tail_split_plan
-    monkeypatch.setattr(FlashAttnFwdSm90, "tail_split_plan", staticmethod(lambda *a: plans.append(planner(*a)) or plans[-1]))
+    plans, planner = [], FlashAttnFwdSm90.tail_split_plan
+
+    def recorded_plan(*args):
+        plans.append(planner(*args))
+        return plans[-1]
+
+    monkeypatch.setattr(FlashAttnFwdSm90, "tail_split_plan", staticmethod(recorded_plan))
     torch.manual_seed(head_dim + seqlens[0])
     assert dispatch.length_class(seqlens[1], False) == "long"
     # The second call reuses the counters the first one left behind.
