@@ -355,7 +355,7 @@ class FlashAttnFwdSm90:
         (session 9); at 8k / 16k, where the tiles' own plan (56, 2) applies, the work's plan
         lost 1-2%."""
         plan = FlashAttnFwdSm90._split_leftover(num_tiles, num_n_blocks, num_sms)
-        if plan == (0, 1) and work_tiles is not None and work_tiles < num_tiles:
+        if plan == (0, 1) and work_tiles is not None:
             plan = FlashAttnFwdSm90._split_leftover(work_tiles, num_n_blocks, num_sms)
         return plan
 
