@@ -50,7 +50,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from ..common.blocks import BlockRanges
 from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn, store_tile_rows
 from ..common.mask import apply_mask
-from ..common.packed16 import convert_f32_to_16bit
+from ..common.packed16 import convert_f32_to_16bit, cvt_pack_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
 
 # Named barrier ids (0 is __syncthreads). Consumer warp group i waits on barrier
@@ -95,6 +95,8 @@ class FlashAttnFwdSm90:
         spin_waits: bool = True,
         recompute_epilogue: bool = False,
         q_by_group: bool = False,
+        o_from_registers: bool = False,
+        release_q_early: bool = True,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -162,13 +164,22 @@ class FlashAttnFwdSm90:
             + tile_m * head_dim * dtype.width // 8
             <= _SMEM_BYTES
         )
+        # O from the accumulator straight to global memory (16-byte stores after a transpose
+        # within each quad of threads), for kernels where O would otherwise pass through Q's
+        # only buffer: Q is then free once the mainloop ends, and the next tile's Q loads while
+        # this one's epilogue runs.
+        self.o_from_registers = o_from_registers and not self.separate_o
+        # ... and released after the tile's last S GEMM instead of after its mainloop, so that
+        # the load overlaps the last PV GEMM too. Measured (interleaved, short d256): non-causal
+        # +0.3-0.8% over the late release, causal -4.2% at 512 (length_config).
+        self.release_q_early = release_q_early and self.o_from_registers
         self.num_wg_mma = tile_m // 64
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
         # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
         # releases them, and the producer loads them for the next tile while the other groups
         # still run this one. With one Q buffer (d256), a whole-tile Q leaves every group waiting
         # for the last group's epilogue and then for the load.
-        self.q_by_group = q_by_group and (wg_epilogue or self.separate_o)
+        self.q_by_group = q_by_group and (wg_epilogue or self.separate_o or self.o_from_registers)
         self.q_pieces = self.num_wg_mma if self.q_by_group else 1
         self.q_piece_rows = tile_m // self.q_pieces
         self.pingpong = pingpong and self.num_wg_mma >= 2
@@ -282,6 +293,10 @@ class FlashAttnFwdSm90:
           non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
           +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
           only there); it lost 1-3% at short d64, causal d128 and long non-causal d128.
+        * o_from_registers (see __init__; session 10, runs 1-3 of its variant log): short d256
+          causal +2.8-3.0 / +1.1-1.2 / +0.6-0.8% at 512 / 1k / 2k with Q released after the
+          mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
+          GEMM (release_q_early); within +-0.6% at mid and long d256, which keep the smem path.
         """
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True)
@@ -312,6 +327,8 @@ class FlashAttnFwdSm90:
             config["q_by_group"] = True
             if not causal:
                 config["recompute_epilogue"] = True
+            if length == "short":
+                config.update(o_from_registers=True, release_q_early=not causal)
         if head_dim <= 64:
             if length == "short":
                 config["prefetch_next"] = True
@@ -892,6 +909,7 @@ class FlashAttnFwdSm90:
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_buffer,
+                pipeline_q=pipeline_q, q_state=q_state,
             )
             if n_block_max > n_block_min:
                 self.wait_full(pipeline_q, q_state)
@@ -905,6 +923,11 @@ class FlashAttnFwdSm90:
                 if const_expr(self.separate_o):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
+                elif const_expr(self.o_from_registers and not self.release_q_early):
+                    pipeline_q.consumer_release(q_state)
+                elif const_expr(self.o_from_registers):
+                    if not runs_mainloop:  # else the mainloop released Q after its last S GEMM
+                        pipeline_q.consumer_release(q_state)
             tidx_tile = tidx
             if const_expr(self.recompute_epilogue):
                 # From values the compiler cannot see through, so that what the epilogue derives
@@ -921,6 +944,9 @@ class FlashAttnFwdSm90:
             sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_buffer]
             store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
                             mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
+            if const_expr(self.o_from_registers):
+                store = partial(self.store_O_from_registers, acc_O, softmax.row_sum, tOcO_mn, tidx_tile, mO_gmem,
+                                mLSE, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
                 if slot < 0:
                     store()
@@ -930,7 +956,7 @@ class FlashAttnFwdSm90:
             else:
                 store()
             if n_block_max > n_block_min:
-                if const_expr(not self.separate_o):
+                if const_expr(not (self.separate_o or self.o_from_registers)):
                     # O went out through Q's buffer; the epilogue waited until TMA had read it.
                     pipeline_q.consumer_release(q_state)
                 for _ in cutlass.range_constexpr(self.q_pieces):
@@ -967,6 +993,8 @@ class FlashAttnFwdSm90:
                     kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
             for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
                 kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
+            if const_expr(self.release_q_early):
+                c.pipeline_q.consumer_release(c.q_state)  # the S GEMMs are done and O bypasses smem: the next Q may load
             if const_expr(self.rescale_o_early):
                 c.softmax.rescale_O(c.acc_O, c.row_scale)
             self.wait_full(c.pipeline_v, kv_state)
@@ -982,6 +1010,8 @@ class FlashAttnFwdSm90:
                 kv_state = self.one_block_serial(
                     c, kv_state, n_block_unmasked - 1 - i, False, False, False
                 )
+            if const_expr(self.release_q_early):
+                c.pipeline_q.consumer_release(c.q_state)
         return kv_state
 
     @cute.jit
@@ -1185,16 +1215,58 @@ class FlashAttnFwdSm90:
     # ------------------------------------------------------------------ epilogue
 
     @cute.jit
-    def epilogue(
-        self, acc_O, lse, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE, tidx,
-        wg_idx, m_block, head, batch, seqlen_q,
-    ):
-        # LSE straight from registers: the thread holding column 0 of a row writes it.
+    def store_lse(self, lse, tOcO_mn, mLSE, m_block, head, batch, seqlen_q):
+        """LSE straight from registers: the thread holding column 0 of a row writes it."""
         if tOcO_mn[0, 0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = m_block * self.tile_m + tOcO_mn[r, 0][0]
                 if row < seqlen_q:
                     mLSE[batch, head, row] = lse[r]
+
+    @cute.jit
+    def store_O_from_registers(self, acc_O, lse, tOcO_mn, tidx, mO_gmem, mLSE, m_block, head, batch, seqlen_q):
+        """O and LSE from the accumulator to global memory, without smem (o_from_registers).
+
+        In the wgmma accumulator, the four threads of a quad hold one row's 8-column chunk as four
+        packed pairs, lane t the pair at columns 2t, 2t+1. For each run of four chunks the quad
+        transposes its 4 x 4 pairs (two butterfly shuffle steps), after which lane t holds all of
+        chunk t: one 16-byte store instead of four 4-byte ones."""
+        self.store_lse(lse, tOcO_mn, mLSE, m_block, head, batch, seqlen_q)
+        acc_O_mn = reshape_acc_to_mn(acc_O)
+        lane = tidx % 4
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        chunk = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+        chunk_elems = cute.make_tensor(cute.recast_ptr(chunk.iterator, dtype=self.dtype), cute.make_layout(8))
+        for r in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[0])):
+            row = m_block * self.tile_m + tOcO_mn[r, 0][0]
+            for run in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1]) // 8):
+                # pairs[i]: this lane's pair of chunk 4 * run + i (columns 8 * chunk + 2 * lane).
+                pairs = []
+                for i in cutlass.range_constexpr(4):
+                    pairs.append(
+                        cvt_pack_16bit(acc_O_mn[r, 8 * run + 2 * i], acc_O_mn[r, 8 * run + 2 * i + 1], self.dtype)
+                    )
+                # Step 1 swaps the off-diagonal 2 x 2 blocks between lanes t and t ^ 2, step 2
+                # transposes each 2 x 2 block between lanes t and t ^ 1.
+                for bit, firsts in ((2, (0, 1)), (1, (0, 2))):
+                    upper = (lane & bit) != 0
+                    for k in firsts:
+                        low, high = pairs[k], pairs[k + bit]
+                        got = cute.arch.shuffle_sync_bfly(high if not upper else low, offset=bit)
+                        pairs[k] = got if upper else low
+                        pairs[k + bit] = high if upper else got
+                for i in cutlass.range_constexpr(4):
+                    chunk[i] = pairs[i]
+                if row < seqlen_q:
+                    gO = cute.local_tile(mO_gmem[None, None, head, batch], (1, 8), (row, 4 * run + lane))
+                    cute.copy(store_atom, chunk_elems, gO[0, None])
+
+    @cute.jit
+    def epilogue(
+        self, acc_O, lse, tOcO_mn, smem_copy_O, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE, tidx,
+        wg_idx, m_block, head, batch, seqlen_q,
+    ):
+        self.store_lse(lse, tOcO_mn, mLSE, m_block, head, batch, seqlen_q)
 
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))

@@ -44,12 +44,13 @@ VARIANTS = [
                                        q_stages=2, recompute_epilogue=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
-    # Short d256 loads Q by warp group (one Q buffer, which O passes through).
+    # Short d256 loads Q by warp group into its one Q buffer and stores O from registers
+    # (o_from_registers), releasing Q after the mainloop (causal) or its last S GEMM.
     (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
-                                       q_by_group=True)),
+                                       q_by_group=True, o_from_registers=True, release_q_early=False)),
     # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile.
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
-                                        recompute_epilogue=True, q_by_group=True)),
+                                        recompute_epilogue=True, q_by_group=True, o_from_registers=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
@@ -103,6 +104,13 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     # The DSL's size_in_bytes would count the cosize of a piece's strided rows.
     q_rows = 64 if kernel.q_by_group else kernel.tile_m
     assert q_rows * head_dim * dtype.width // 8 in expect_tx_bytes(report.ptx)
+    # O goes out from smem (stmatrix, then a TMA store or 16-byte stores per warp group), or
+    # straight from registers in 16-byte stores (o_from_registers: no stmatrix at all).
+    from_registers = bool(tiles.get("o_from_registers"))
+    assert ("stmatrix" in report.ptx) == (not from_registers)
+    assert ("cp.async.bulk.tensor.4d.global.shared" in report.ptx) == (not (from_registers or tiles.get("wg_epilogue")))
+    if from_registers or tiles.get("wg_epilogue"):
+        assert "st.global.v4.b32" in report.ptx
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
     advisories = re.findall(r"\((C751[257])\)", logs[0])
