@@ -172,7 +172,7 @@ class FlashAttnFwdSm90:
         self.o_from_registers = o_from_registers and not self.separate_o
         # ... and released after the tile's last S GEMM instead of after its mainloop, so that
         # the load overlaps the last PV GEMM too. Measured (interleaved, short d256): non-causal
-        # +0.3-0.8% over the late release, causal -4.2% at 512 (length_config).
+        # +0.3-0.8% over the late release, causal -4.3% at 512 (length_config).
         self.release_q_early = release_q_early and self.o_from_registers
         self.num_wg_mma = tile_m // 64
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
