@@ -921,12 +921,10 @@ class FlashAttnFwdSm90:
                 )
                 if runs_mainloop:
                     kv_state = self.mainloop(c, kv_state, n_block_min, wg_n_block_max, block_ranges)
-                if const_expr(self.separate_o):
+                if const_expr(self.separate_o or (self.o_from_registers and not self.release_q_early)):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
-                elif const_expr(self.o_from_registers and not self.release_q_early):
-                    pipeline_q.consumer_release(q_state)
-                elif const_expr(self.o_from_registers):
+                elif const_expr(self.release_q_early):
                     if not runs_mainloop:  # else the mainloop released Q after its last S GEMM
                         pipeline_q.consumer_release(q_state)
             tidx_tile = tidx
@@ -941,13 +939,14 @@ class FlashAttnFwdSm90:
                 tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
             )
             softmax.rescale_O(acc_O, softmax.finalize())
-            # O through its own buffer, or through this tile's stage of Q's.
-            sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_buffer]
-            store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O, mO,
-                            mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.o_from_registers):
                 store = partial(self.store_O_from_registers, acc_O, softmax.row_sum, tOcO_mn, tidx_tile, mO_gmem,
                                 mLSE, m_block, head, batch, seqlen_q)
+            else:
+                # O through its own buffer, or through this tile's stage of Q's.
+                sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_buffer]
+                store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O,
+                                mO, mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
                 if slot < 0:
                     store()
@@ -995,7 +994,8 @@ class FlashAttnFwdSm90:
             for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
                 kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
             if const_expr(self.release_q_early):
-                c.pipeline_q.consumer_release(c.q_state)  # the S GEMMs are done and O bypasses smem: the next Q may load
+                # The S GEMMs are done and O will not pass through Q's buffer: the next Q may load.
+                c.pipeline_q.consumer_release(c.q_state)
             if const_expr(self.rescale_o_early):
                 c.softmax.rescale_O(c.acc_O, c.row_scale)
             self.wait_full(c.pipeline_v, kv_state)
