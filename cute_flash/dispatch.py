@@ -101,21 +101,23 @@ def _forward_classes(family: str):
 
 
 # Length classes, the only way lengths reach a compile key: kernels may pick other launch settings
-# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_SEQLEN_K keys are "short";
-# causal ones up to MID_SEQLEN_K_CAUSAL keys are "mid", where the persistent causal kernel still
-# gains 2-9% (perf/NOTES.md) but wants other tiles than at 2k keys; the rest are "long".
+# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_SEQLEN_K keys are "short"
+# (SHORT_SEQLEN_K_FULL when non-causal); "mid" are causal ones up to MID_SEQLEN_K_CAUSAL keys, where
+# the persistent causal kernel still gains 2-9% (perf/NOTES.md) but wants other tiles than at 2k
+# keys, and non-causal ones up to SHORT_SEQLEN_K, where the short settings hold but for one (d128's
+# O rescale, session 12); the rest are "long".
 SHORT_SEQLEN_K = 2048
+SHORT_SEQLEN_K_FULL = 1024
 MID_SEQLEN_K_CAUSAL = 4096
 
 
 def length_class(seqlen_k: int, causal: bool) -> str:
-    if seqlen_k <= SHORT_SEQLEN_K:
+    if seqlen_k <= (SHORT_SEQLEN_K if causal else SHORT_SEQLEN_K_FULL):
         return "short"
-    return "mid" if causal and seqlen_k <= MID_SEQLEN_K_CAUSAL else "long"
+    return "mid" if seqlen_k <= (MID_SEQLEN_K_CAUSAL if causal else SHORT_SEQLEN_K) else "long"
 
 
-def length_classes(causal: bool) -> tuple[str, ...]:
-    return ("short", "mid", "long") if causal else ("short", "long")
+LENGTH_CLASSES = ("short", "mid", "long")
 
 
 def fake_forward_args(cls, cdtype, head_dim: int) -> tuple:

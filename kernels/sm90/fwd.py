@@ -255,8 +255,8 @@ class FlashAttnFwdSm90:
 
     @staticmethod
     def length_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
-        """Init arguments for a length class (dispatch.length_class: "short" up to 2048 keys,
-        "mid" causal up to 4096, "long").
+        """Init arguments for a length class (dispatch.length_class: "short" up to 2048 keys, 1024
+        non-causal; "mid" up to 4096 causal, 2048 non-causal; "long").
 
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md):
         * Short and mid: persistent CTAs are 5-24% faster at seqlen 512-2048 for head dims up to
@@ -277,6 +277,9 @@ class FlashAttnFwdSm90:
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
+        * Mid (non-causal, 1025-2048 keys): the short settings, but d128 rescales O after the
+          softmax (rescale_o_early off): +1.2-1.7% at 2k and +0.2-0.5% at 1k (bf16 and fp16, three
+          interleaved runs, session 12), where 512 keys lose 0.2-1.1% with it.
         * Long: persistent with the dynamic schedule. A static walk lost there when causal (16k
           d128 427 vs 636 TFLOP/s: CTAs whose tiles were short raced ahead over other heads' K/V);
           the counter keeps the tiles in flight a window of the longest-first order. Against one
@@ -312,6 +315,9 @@ class FlashAttnFwdSm90:
                     config.update(tile_m=192, tile_n=80, num_stages=3)
             return config
         config = dict(num_sms=num_sms)
+        mid_full = length == "mid" and not causal
+        if mid_full:  # the short settings, but d128's O rescale
+            length = "short"
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
         if causal:
@@ -323,7 +329,7 @@ class FlashAttnFwdSm90:
             if length == "short" and causal:
                 config["recompute_epilogue"] = True
             elif length == "short":
-                config["q_by_group"] = True
+                config.update(q_by_group=True, rescale_o_early=not mid_full)
         if head_dim > 192:
             config["q_by_group"] = True
             if not causal:

@@ -18,6 +18,7 @@ import cutlass
 from cute_flash import compile_report as compile_report_module
 from cute_flash.compile_report import compile_report
 from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
+from cute_flash import dispatch
 from cute_flash.dispatch import fake_forward_args
 
 VARIANTS = [
@@ -138,7 +139,7 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
         for causal, dtype in itertools.product((False, True), (cutlass.BFloat16, cutlass.Float16)):
             base = FlashAttnFwdSm90.default_tiles(dtype, head_dim, causal)
             assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **base)
-            for length in ("short", "mid", "long") if causal else ("short", "long"):
+            for length in dispatch.LENGTH_CLASSES:
                 tiles = dict(base, **FlashAttnFwdSm90.length_config(dtype, head_dim, causal, length, 132))
                 assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **tiles)
 

@@ -48,8 +48,8 @@ def test_sm90_serves_its_head_dims_and_sm80_the_rest(monkeypatch):
 
 
 def test_length_buckets_reach_the_sm90_launch_settings():
-    classes = [dispatch.length_class(n, causal) for causal in (False, True) for n in (2048, 2049, 4096, 4097)]
-    assert classes == ["short", "long", "long", "long", "short", "mid", "mid", "long"]
+    classes = [dispatch.length_class(n, causal) for causal in (False, True) for n in (1024, 1025, 2048, 2049, 4096, 4097)]
+    assert classes == ["short", "mid", "mid", "long", "long", "long", "short", "short", "short", "mid", "mid", "long"]
     short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="short", num_sms=132).init_kwargs)
     long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="long", num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
@@ -59,6 +59,12 @@ def test_length_buckets_reach_the_sm90_launch_settings():
     # Long non-causal d128: 192 x 80 tiles; d64: next tile's blocks prefetched on short problems,
     # the dynamic schedule on long ones.
     long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, length="long", num_sms=132).init_kwargs)
+    # Non-causal "mid" (1025-2048 keys): the short settings, but d128 rescales O after the softmax.
+    for head_dim in (64, 128, 256):
+        short_full, mid_full = (dict(dispatch.plan_forward((9, 0), torch.bfloat16, head_dim, False, length=length,
+                                                           num_sms=132).init_kwargs) for length in ("short", "mid"))
+        expected = dict(short_full, rescale_o_early=False) if head_dim == 128 else short_full
+        assert mid_full == expected and short_full.get("rescale_o_early", True)
     assert (long_full["tile_m"], long_full["tile_n"], long_full["num_sms"]) == (192, 80, 132)
     assert long_full["dynamic_schedule"]
     for causal in (False, True):
