@@ -278,8 +278,8 @@ class FlashAttnFwdSm90:
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
         * Mid (non-causal, 1025-2048 keys): the short settings, but d128 rescales O after the
-          softmax (rescale_o_early off): +1.2-1.7% at 2k and +0.2-0.5% at 1k (bf16 and fp16, three
-          interleaved runs, session 12), where 512 keys lose 0.2-1.1% with it.
+          softmax (rescale_o_early off): +1.2-1.7% at 2k (bf16 and fp16, three interleaved runs,
+          session 12); at 1k +0.2-0.5% and at 512 -0.2 to -1.1%, so short problems keep the early one.
         * Long: persistent with the dynamic schedule. A static walk lost there when causal (16k
           d128 427 vs 636 TFLOP/s: CTAs whose tiles were short raced ahead over other heads' K/V);
           the counter keeps the tiles in flight a window of the longest-first order. Against one
