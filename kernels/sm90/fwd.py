@@ -140,7 +140,8 @@ class FlashAttnFwdSm90:
         # Pipeline waits as plain mbarrier.try_wait loops (spin_wait) instead of the DSL's wait,
         # whose suspend-time hint becomes a NANOSLEEP.SYNCS that wakes late. Measured (two
         # interleaved runs): d128 +1-2% long, +2-5% at 1k-2k; d64 non-causal 512 +3.5%; long
-        # non-causal d64 -1 to -2%, so it keeps the DSL's wait (length_config).
+        # non-causal d64 -1 to -2% and, on today's kernels, short non-causal d128 -0.3 to -1%, so
+        # those keep the DSL's wait (length_config).
         self.spin_waits = spin_waits
         # Persistent CTAs: the epilogue's tile and thread coordinates are derived anew after each
         # mainloop instead of being hoisted out of the tile loop by the compiler, which keeps them
@@ -280,6 +281,9 @@ class FlashAttnFwdSm90:
         * Mid (non-causal, 1025-2048 keys): the short settings, but d128 rescales O after the
           softmax (rescale_o_early off): +1.2-1.7% at 2k (bf16 and fp16, three interleaved runs,
           session 12); at 1k +0.2-0.5% and at 512 -0.2 to -1.1%, so short problems keep the early one.
+        * Short non-causal d128 (up to 1024 keys) keeps the DSL's sleeping pipeline waits
+          (spin_waits off): +0.3 to +1.0% at 512 and 0 to +0.5% at 1k in five interleaved runs
+          (bf16 and fp16, sessions 12-13); mid (2k) keeps the spinning waits.
         * Long: persistent with the dynamic schedule. A static walk lost there when causal (16k
           d128 427 vs 636 TFLOP/s: CTAs whose tiles were short raced ahead over other heads' K/V);
           the counter keeps the tiles in flight a window of the longest-first order. Against one
@@ -329,7 +333,7 @@ class FlashAttnFwdSm90:
             if length == "short" and causal:
                 config["recompute_epilogue"] = True
             elif length == "short":
-                config.update(q_by_group=True, rescale_o_early=not mid_full)
+                config.update(q_by_group=True, rescale_o_early=not mid_full, spin_waits=mid_full)
         if head_dim > 192:
             config["q_by_group"] = True
             if not causal:

@@ -35,11 +35,12 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 192, False, None),
-    # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O.
+    # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O;
+    # d128 with the DSL's sleeping pipeline waits.
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
                                        wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2,
-                                       q_by_group=True)),
+                                       q_by_group=True, rescale_if_moved=True, spin_waits=False)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
                                        q_stages=2, recompute_epilogue=True)),
