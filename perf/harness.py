@@ -5,15 +5,19 @@
 that host launch cost does not leak into device time, and an L2 flush when the input sets are
 small enough to stay cached), `WallClock` elsewhere (tests). Every call's output is dropped
 before the next, so no method reuses an output buffer it just wrote.
+`measure_times_interleaved` times several methods in turns, in a fresh random order each
+round, so that no method always runs right after the same other one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
+import random
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 
@@ -152,22 +156,20 @@ def input_sets_needed(set_bytes: int, l2_bytes: int, max_sets: int = 8) -> tuple
     return n, n * set_bytes < want
 
 
-def measure_times(
-    run_once: Callable[[int], object],
-    n_sets: int,
-    clock,
-    *,
-    flush_l2: bool = False,
-    target_s: float = 0.5,
-    min_reps: int = 10,
-    max_reps: int = 200,
-    burst: int = 25,
-) -> dict:
-    """Median and spread (ms) of `run_once`, each input set used in turn.
+@dataclasses.dataclass
+class _Timed:
+    """One method's timing state while it takes turns with others."""
 
-    The first call (compilation, autotuning, allocator growth) is excluded; a few more calls
-    estimate the per-call time, which sets the repetition count to roughly `target_s` seconds.
-    """
+    run_once: Callable[[int], object]
+    reps: int
+    host_s: float
+    marks: list = dataclasses.field(default_factory=list)
+    calls: int = 0
+
+
+def _calibrate(run_once, n_sets: int, clock, target_s: float, min_reps: int, max_reps: int) -> _Timed:
+    """The first call (compilation, autotuning, allocator growth) is excluded; three more
+    estimate the per-call time, which sets the repetition count to roughly `target_s` seconds."""
     run_once(0)
     clock.sync()
     host, t0 = [], time.perf_counter()
@@ -179,24 +181,76 @@ def measure_times(
     clock.sync()
     per_call = (time.perf_counter() - t0) / 3
     reps = int(max(min_reps, min(max_reps, target_s / max(per_call, 1e-9))))
-    host_s = statistics.median(host) + (20e-6 if flush_l2 else 0.0)
+    return _Timed(run_once, reps, statistics.median(host))
 
-    marks, i = [], 0
-    while len(marks) < reps:
-        n = min(burst, reps - len(marks))
-        clock.hold(1.5 * n * host_s)
-        for _ in range(n):
-            if flush_l2:
-                clock.flush_l2()
-            token = clock.start()
-            out = run_once(i % n_sets)
-            marks.append(clock.stop(token))
-            del out
-            i += 1
-        clock.sync()
-    stats = summarize(clock.elapsed_ms(marks))
-    stats["host_ms_per_call"] = statistics.median(host) * 1e3
-    return stats
+
+def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool) -> None:
+    """`n` back-to-back timed calls, queued behind a sleep long enough to hide their launches."""
+    clock.hold(1.5 * n * (t.host_s + (20e-6 if flush_l2 else 0.0)))
+    for _ in range(n):
+        if flush_l2:
+            clock.flush_l2()
+        token = clock.start()
+        out = t.run_once(t.calls % n_sets)
+        t.marks.append(clock.stop(token))
+        del out
+        t.calls += 1
+    clock.sync()
+
+
+def measure_times_interleaved(
+    runs: Mapping[str, Callable[[int], object]],
+    n_sets: int,
+    clock,
+    *,
+    flush_l2: bool = False,
+    target_s: float = 0.5,
+    min_reps: int = 10,
+    max_reps: int = 200,
+    burst: int = 25,
+    min_rounds: int = 5,
+    seed: int = 0,
+) -> dict[str, dict | Exception]:
+    """Median and spread (ms) of each of several `run_once`s that take turns on the GPU.
+
+    Each method's repetitions are split over the same rounds, and every round visits the
+    methods in a fresh random order: a method timed right after a slower one can run a few
+    percent fast (clocks and power state carry over), so a fixed order biases the ratios.
+    A method that raises gets its exception as its result and the others go on.
+    """
+    results: dict[str, dict | Exception] = {}
+    timed: dict[str, _Timed] = {}
+    for name, run_once in runs.items():
+        try:
+            timed[name] = _calibrate(run_once, n_sets, clock, target_s, min_reps, max_reps)
+        except Exception as exc:  # noqa: BLE001 - the caller records it
+            results[name] = exc
+            release_memory()
+    rounds = max([min_rounds] + [math.ceil(t.reps / burst) for t in timed.values()])
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        active = [name for name, t in timed.items() if name not in results and len(t.marks) < t.reps]
+        for name in rng.sample(active, len(active)):
+            t = timed[name]
+            try:
+                _timed_calls(t, min(math.ceil(t.reps / rounds), t.reps - len(t.marks)), n_sets, clock, flush_l2)
+            except Exception as exc:  # noqa: BLE001 - the caller records it
+                results[name] = exc
+                release_memory()
+    for name, t in timed.items():
+        if name not in results:
+            stats = summarize(clock.elapsed_ms(t.marks))
+            stats["host_ms_per_call"] = t.host_s * 1e3
+            results[name] = stats
+    return {name: results[name] for name in runs}
+
+
+def measure_times(run_once: Callable[[int], object], n_sets: int, clock, **kwargs) -> dict:
+    """Median and spread (ms) of `run_once` alone, each input set used in turn."""
+    result = measure_times_interleaved({"": run_once}, n_sets, clock, **kwargs)[""]
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 def measure_peak_bytes(run_once: Callable[[int], object]) -> int | None:

@@ -132,6 +132,36 @@ def test_measure_times_with_wall_clock_counts_reps():
     assert set(calls) == {0, 1, 2}  # every input set is used
 
 
+def test_interleaved_methods_take_turns_in_a_fresh_order_each_round():
+    calls = []
+
+    def method(name):
+        return lambda i: calls.append(name)
+
+    times = harness.measure_times_interleaved({"a": method("a"), "b": method("b")}, 2, harness.WallClock(),
+                                              min_reps=20, max_reps=20, min_rounds=10, seed=3)
+    assert times["a"]["reps"] == 20 and times["b"]["reps"] == 20
+    timed = calls[8:]  # each method's compile call and three estimates come first
+    assert len(timed) == 40
+    firsts = [timed[4 * r] for r in range(10)]  # two calls per method per round
+    assert all(len(set(timed[4 * r:4 * r + 2])) == 1 for r in range(10))  # a round's share runs together
+    assert set(firsts) == {"a", "b"}  # neither method always goes first
+
+
+def test_interleaved_method_that_fails_midway_is_reported_and_others_finish():
+    state = {"calls": 0}
+
+    def flaky(i):
+        state["calls"] += 1
+        if state["calls"] > 6:
+            raise RuntimeError("CUDA error: out of memory")
+
+    times = harness.measure_times_interleaved({"flaky": flaky, "fine": lambda i: None}, 1, harness.WallClock(),
+                                              min_reps=10, max_reps=10)
+    assert isinstance(times["flaky"], RuntimeError) and harness.classify_error(times["flaky"]) == "oom"
+    assert times["fine"]["reps"] == 10
+
+
 # ----------------------------------------------------------------------------- failures
 
 
