@@ -215,7 +215,8 @@ def measure_times_interleaved(
 
     Each method's repetitions are split over the same rounds, and every round visits the
     methods in a fresh random order: a method timed right after a slower one can run a few
-    percent fast (clocks and power state carry over), so a fixed order biases the ratios.
+    percent fast (presumably clocks and power state carry over; not measured), so a fixed
+    order biases the ratios.
     A method that raises gets its exception as its result and the others go on.
     """
     results: dict[str, dict | Exception] = {}
