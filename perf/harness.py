@@ -218,6 +218,7 @@ def measure_times_interleaved(
     percent fast (presumably clocks and power state carry over; not measured), so a fixed
     order biases the ratios.
     A method that raises gets its exception as its result and the others go on.
+    `burst` caps one method's calls per round (more rounds when a method needs more calls).
     """
     results: dict[str, dict | Exception] = {}
     timed: dict[str, _Timed] = {}
