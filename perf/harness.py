@@ -47,6 +47,16 @@ def summarize(times_ms: list[float]) -> dict:
     }
 
 
+def round_medians(times_ms: list[float], round_ends: Mapping[int, int], rounds: int) -> list[float | None]:
+    """Median of each round's calls; `round_ends[r]` is how many calls had been timed after round r."""
+    medians, start = [], 0
+    for r in range(rounds):
+        end = round_ends.get(r, start)
+        medians.append(statistics.median(times_ms[start:end]) if end > start else None)
+        start = end
+    return medians
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -165,6 +175,7 @@ class _Timed:
     host_s: float
     marks: list = dataclasses.field(default_factory=list)
     calls: int = 0
+    round_ends: dict = dataclasses.field(default_factory=dict)  # round -> len(marks) after it
 
 
 def _calibrate(run_once, n_sets: int, clock, target_s: float, min_reps: int, max_reps: int) -> _Timed:
@@ -208,7 +219,7 @@ def measure_times_interleaved(
     min_reps: int = 10,
     max_reps: int = 200,
     burst: int = 25,
-    min_rounds: int = 5,
+    min_rounds: int = 10,
     seed: int = 0,
 ) -> dict[str, dict | Exception]:
     """Median and spread (ms) of each of several `run_once`s that take turns on the GPU.
@@ -219,6 +230,8 @@ def measure_times_interleaved(
     order biases the ratios.
     A method that raises gets its exception as its result and the others go on.
     `burst` caps one method's calls per round (more rounds when a method needs more calls).
+    Each result also lists its median per round (`round_medians`, None where the method had no
+    call that round), so that methods can be compared round by round (results.paired_speedup).
     """
     results: dict[str, dict | Exception] = {}
     timed: dict[str, _Timed] = {}
@@ -230,19 +243,22 @@ def measure_times_interleaved(
             release_memory()
     rounds = max([min_rounds] + [math.ceil(t.reps / burst) for t in timed.values()])
     rng = random.Random(seed)
-    for _ in range(rounds):
+    for i_round in range(rounds):
         active = [name for name, t in timed.items() if name not in results and len(t.marks) < t.reps]
         for name in rng.sample(active, len(active)):
             t = timed[name]
             try:
                 _timed_calls(t, min(math.ceil(t.reps / rounds), t.reps - len(t.marks)), n_sets, clock, flush_l2)
+                t.round_ends[i_round] = len(t.marks)
             except Exception as exc:  # noqa: BLE001 - the caller records it
                 results[name] = exc
                 release_memory()
     for name, t in timed.items():
         if name not in results:
-            stats = summarize(clock.elapsed_ms(t.marks))
+            times_ms = clock.elapsed_ms(t.marks)
+            stats = summarize(times_ms)
             stats["host_ms_per_call"] = t.host_s * 1e3
+            stats["round_medians"] = round_medians(times_ms, t.round_ends, rounds)
             results[name] = stats
     return {name: results[name] for name in runs}
 

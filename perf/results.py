@@ -11,7 +11,9 @@ One JSON document per `bench` run:
 "complete" is false while the run is still going (the file is rewritten after every cell, so
 a run cut short keeps what it measured). A measurement is one (suite, cell, pass, method): the cell's shape fields, "kind" ("speed" or
 "memory"), "status" ("ok", "oom", "unsupported: ...", "error: ..."), and when ok either
-"time_ms" (median, p10, p90, iqr, min, max, reps), "tflops", "tokens_per_s", or "peak_bytes".
+"time_ms" (median, p10, p90, iqr, min, max, reps, host_ms_per_call, round_medians), "tflops",
+"tokens_per_s", or "peak_bytes". A speed ratio also carries "paired": ours against the peer
+round by round (paired_speedup).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import subprocess
 import sys
 from importlib import metadata
@@ -159,7 +162,8 @@ def compute_ratios(measurements: list[dict], ours: str = "ours") -> list[dict]:
     """For every cell and pass, ours against each other method. For speed cells
     `speedup` = peer median time / our median time (> 1: ours is faster); for memory cells
     `memory_ratio` = peer peak bytes / our peak bytes (> 1: ours uses less). When either side
-    failed the value is None and `note` says which side and why."""
+    failed the value is None and `note` says which side and why. Speed ratios of interleaved
+    timings also get `paired` (paired_speedup)."""
     groups: dict[tuple, dict[str, dict]] = {}
     for m in measurements:
         groups.setdefault(cell_group_key(m), {})[m["method"]] = m
@@ -184,11 +188,25 @@ def compute_ratios(measurements: list[dict], ours: str = "ours") -> list[dict]:
                 value = peer["peak_bytes"] / mine["peak_bytes"] if mine.get("peak_bytes") and peer.get("peak_bytes") else None
             else:
                 value = peer["time_ms"]["median"] / mine["time_ms"]["median"]
+                paired = paired_speedup(mine["time_ms"], peer["time_ms"])
+                if paired:
+                    entry["paired"] = paired
             entry[field] = value
             if note:
                 entry["note"] = note
             ratios.append(entry)
     return ratios
+
+
+def paired_speedup(mine: dict, peer: dict) -> dict | None:
+    """Peer time / our time within each round both were timed in (moments apart, so in much the
+    same clock and power state): the median, lowest and highest of those per-round ratios and
+    how many rounds they come from. None without per-round medians (older files)."""
+    pairs = [p / m for m, p in zip(mine.get("round_medians") or [], peer.get("round_medians") or [])
+             if m and p]
+    if not pairs:
+        return None
+    return {"median": statistics.median(pairs), "min": min(pairs), "max": max(pairs), "rounds": len(pairs)}
 
 
 def memory_oom_points(measurements: list[dict]) -> dict:

@@ -148,6 +148,29 @@ def test_interleaved_methods_take_turns_in_a_fresh_order_each_round():
     assert set(firsts) == {"a", "b"}  # neither method always goes first
 
 
+def test_round_medians_follow_each_rounds_calls():
+    times = [1.0, 3.0, 2.0, 10.0, 20.0, 5.0]
+    assert harness.round_medians(times, {0: 2, 1: 2, 2: 5, 3: 6}, 5) == [2.0, None, 10.0, 5.0, None]
+
+
+def test_interleaved_results_carry_one_median_per_round():
+    times = harness.measure_times_interleaved({"a": lambda i: None, "b": lambda i: None}, 1, harness.WallClock(),
+                                              min_reps=12, max_reps=12, min_rounds=4)
+    for stats in times.values():
+        assert len(stats["round_medians"]) == 4 and all(m is not None and m >= 0 for m in stats["round_medians"])
+
+
+def test_paired_speedup_compares_within_rounds():
+    # The peer is 10% slower in every round, while both drift by 2x across rounds: the plain
+    # ratio of medians would mix rounds, the paired one sees 1.1 each time.
+    mine = {"round_medians": [1.0, 2.0, None, 1.5]}
+    peer = {"round_medians": [1.1, 2.2, 3.0, 1.65]}
+    paired = results.paired_speedup(mine, peer)
+    assert paired["rounds"] == 3
+    assert abs(paired["median"] - 1.1) < 1e-12 and abs(paired["min"] - 1.1) < 1e-12 and abs(paired["max"] - 1.1) < 1e-12
+    assert results.paired_speedup({"median": 1.0}, peer) is None
+
+
 def test_interleaved_method_that_fails_midway_is_reported_and_others_finish():
     state = {"calls": 0}
 
@@ -263,6 +286,11 @@ def _row(method, median=None, status="ok", kind="speed", peak=None, seqlen=1024)
 def test_ratios_are_peer_time_over_ours():
     ratios = results.compute_ratios([_row("ours", 1.0), _row("fa4", 1.5), _row("standard", 4.0)])
     assert {r["peer"]: r["speedup"] for r in ratios} == {"fa4": 1.5, "standard": 4.0}
+    assert all("paired" not in r for r in ratios)  # no per-round medians, no paired ratio
+    rows = [_row("ours", 1.0), _row("fa4", 1.1)]
+    rows[0]["time_ms"]["round_medians"], rows[1]["time_ms"]["round_medians"] = [1.0, 0.5], [0.9, 0.6]
+    (ratio,) = results.compute_ratios(rows)
+    assert ratio["paired"]["rounds"] == 2 and abs(ratio["paired"]["median"] - 1.05) < 1e-12
 
 
 def test_memory_ratios_and_oom_point():
