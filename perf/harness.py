@@ -195,9 +195,13 @@ def _calibrate(run_once, n_sets: int, clock, target_s: float, min_reps: int, max
     return _Timed(run_once, reps, statistics.median(host))
 
 
-def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool) -> None:
-    """`n` back-to-back timed calls, queued behind a sleep long enough to hide their launches."""
-    clock.hold(1.5 * n * (t.host_s + (20e-6 if flush_l2 else 0.0)))
+def _host_s_per_call(t: _Timed, flush_l2: bool) -> float:
+    return t.host_s + (20e-6 if flush_l2 else 0.0)
+
+
+def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool, hold_s: float) -> None:
+    """`n` back-to-back timed calls, queued behind a GPU sleep of `hold_s` that hides their launches."""
+    clock.hold(hold_s)
     for _ in range(n):
         if flush_l2:
             clock.flush_l2()
@@ -242,13 +246,17 @@ def measure_times_interleaved(
             results[name] = exc
             release_memory()
     rounds = max([min_rounds] + [math.ceil(t.reps / burst) for t in timed.values()])
+    # Every method's calls of a round wait behind the same sleep, long enough to queue the calls
+    # of the method with the most host time per round: a sleep sized to each method's own host
+    # time gave the slower hosts a longer rest before each burst (power and clock recover there).
+    hold_s = 1.5 * max((math.ceil(t.reps / rounds) * _host_s_per_call(t, flush_l2) for t in timed.values()), default=0.0)
     rng = random.Random(seed)
     for i_round in range(rounds):
         active = [name for name, t in timed.items() if name not in results and len(t.marks) < t.reps]
         for name in rng.sample(active, len(active)):
             t = timed[name]
             try:
-                _timed_calls(t, min(math.ceil(t.reps / rounds), t.reps - len(t.marks)), n_sets, clock, flush_l2)
+                _timed_calls(t, min(math.ceil(t.reps / rounds), t.reps - len(t.marks)), n_sets, clock, flush_l2, hold_s)
                 t.round_ends[i_round] = len(t.marks)
             except Exception as exc:  # noqa: BLE001 - the caller records it
                 results[name] = exc

@@ -18,6 +18,11 @@ wgmma), where the 4 threads of a quad share each row.
         which the O accumulator must be rescaled (1.0 when is_first). Masked entries must be -inf
         already; check_inf keeps fully masked rows at P = 0 instead of NaN.
 
+    max_scaled, row_scale = softmax.update_row_max(acc_S, check_inf)
+    softmax.exponentiate(acc_S, max_scaled, row_scale)
+        online_softmax(acc_S) (not the first block) in two halves, the row maxima and factors, then
+        the exponentials and row sums: for kernels that wait on something between them.
+
     softmax.rescale_O(acc_O, row_scale)
         acc_O[row, :] *= row_scale[row].
 
@@ -78,33 +83,68 @@ class OnlineSoftmax:
         acc_S_mn = reshape_acc_to_mn(acc_S)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            s_row = acc_S_mn[r, None].load()
-            if cutlass.const_expr(is_first):
-                row_max_new = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            else:
-                row_max_new = s_row.reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
-            row_max_new = _quad_allreduce(row_max_new, cute.arch.fmax)
-            row_max_prev = self.row_max[r]
-            self.row_max[r] = row_max_new
-            if cutlass.const_expr(check_inf):
-                # A row with every key masked so far: keep P = exp2(-inf) = 0, not exp2(nan).
-                row_max_new = 0.0 if row_max_new == -Float32.inf else row_max_new
-            max_scaled = row_max_new * self.scale_log2
-            p_row = cute.math.exp2(s_row * self.scale_log2 - max_scaled, fastmath=True)
+            row_max_prev, row_max_new, max_scaled = self._new_row_max(acc_S_mn, r, is_first, check_inf)
+            p_row = self._exp2_row(acc_S_mn, r, max_scaled)
             if cutlass.const_expr(is_first):
                 row_scale[r] = 1.0
-                self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             else:
-                # exactly 1 when the max did not move, so rescale_O can be skipped
-                row_scale[r] = (
-                    1.0 if row_max_prev == row_max_new
-                    else cute.math.exp2(row_max_prev * self.scale_log2 - max_scaled, fastmath=True)
-                )
-                self.row_sum[r] = p_row.reduce(
-                    cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0
-                )
-            acc_S_mn[r, None].store(p_row)
+                row_scale[r] = self._row_factor(row_max_prev, row_max_new, max_scaled)
+            self._accumulate_row(acc_S_mn, r, p_row, row_scale, is_first)
         return row_scale
+
+    @cute.jit
+    def update_row_max(self, acc_S: cute.Tensor, check_inf: cutlass.Constexpr[bool] = True):
+        """online_softmax's first half (any block but the first): row maxima and row factors
+        before any exponential, so that a kernel can place a wait between the halves. Returns
+        (max_scaled, row_scale); exponentiate(acc_S, max_scaled, row_scale) finishes the block."""
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        max_scaled = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row_max_prev, row_max_new, max_scaled[r] = self._new_row_max(acc_S_mn, r, False, check_inf)
+            row_scale[r] = self._row_factor(row_max_prev, row_max_new, max_scaled[r])
+        return max_scaled, row_scale
+
+    @cute.jit
+    def exponentiate(self, acc_S: cute.Tensor, max_scaled: cute.Tensor, row_scale: cute.Tensor) -> cute.Tensor:
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            self._accumulate_row(acc_S_mn, r, self._exp2_row(acc_S_mn, r, max_scaled[r]), row_scale, False)
+        return row_scale
+
+    @cute.jit
+    def _new_row_max(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], is_first: cutlass.Constexpr[bool],
+                     check_inf: cutlass.Constexpr[bool]):
+        s_row = acc_S_mn[r, None].load()
+        if cutlass.const_expr(is_first):
+            row_max_new = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+        else:
+            row_max_new = s_row.reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
+        row_max_new = _quad_allreduce(row_max_new, cute.arch.fmax)
+        row_max_prev = self.row_max[r]
+        self.row_max[r] = row_max_new
+        if cutlass.const_expr(check_inf):
+            # A row with every key masked so far: keep P = exp2(-inf) = 0, not exp2(nan).
+            row_max_new = 0.0 if row_max_new == -Float32.inf else row_max_new
+        return row_max_prev, row_max_new, row_max_new * self.scale_log2
+
+    @cute.jit
+    def _exp2_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], max_scaled: Float32):
+        return cute.math.exp2(acc_S_mn[r, None].load() * self.scale_log2 - max_scaled, fastmath=True)
+
+    @cute.jit
+    def _row_factor(self, row_max_prev: Float32, row_max_new: Float32, max_scaled: Float32) -> Float32:
+        # exactly 1 when the max did not move, so rescale_O can be skipped
+        return 1.0 if row_max_prev == row_max_new else cute.math.exp2(row_max_prev * self.scale_log2 - max_scaled, fastmath=True)
+
+    @cute.jit
+    def _accumulate_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], p_row, row_scale: cute.Tensor,
+                        is_first: cutlass.Constexpr[bool]) -> None:
+        if cutlass.const_expr(is_first):
+            self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        else:
+            self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0)
+        acc_S_mn[r, None].store(p_row)
 
     @cute.jit
     def rescale_O(self, acc_O: cute.Tensor, row_scale: cute.Tensor) -> None:

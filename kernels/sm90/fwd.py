@@ -97,6 +97,7 @@ class FlashAttnFwdSm90:
         q_by_group: bool = False,
         o_from_registers: bool = False,
         release_q_early: bool = True,
+        pv_wait_after_max: bool = True,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -175,6 +176,10 @@ class FlashAttnFwdSm90:
         # the load overlaps the last PV GEMM too. Measured (interleaved, short d256): non-causal
         # +0.3-0.8% over the late release, causal -4.3% at 512 (length_config).
         self.release_q_early = release_q_early and self.o_from_registers
+        # Wait for the previous block's PV GEMM between the row maxima and the exponentials, with
+        # the exponentials made to depend on O (f32_after): otherwise ptxas places that wait where
+        # it likes, which differed by dtype and by unrelated options (perf/NOTES.md, session 17).
+        self.pv_wait_after_max = pv_wait_after_max and intra_wg_overlap
         self.num_wg_mma = tile_m // 64
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
         # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
@@ -1095,8 +1100,15 @@ class FlashAttnFwdSm90:
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
-        row_scale = c.softmax.online_softmax(c.acc_S)
-        warpgroup.wait_group(0)
+        if const_expr(self.pv_wait_after_max):
+            max_scaled, row_scale = c.softmax.update_row_max(c.acc_S)
+            warpgroup.wait_group(0)
+            for r in cutlass.range_constexpr(cute.size(max_scaled)):
+                max_scaled[r] = f32_after(max_scaled[r], c.acc_O[0])
+            c.softmax.exponentiate(c.acc_S, max_scaled, row_scale)
+        else:
+            row_scale = c.softmax.online_softmax(c.acc_S)
+            warpgroup.wait_group(0)
         c.pipeline_v.consumer_release(kv_state_v)
         self.convert_P(c)
         if const_expr(self.rescale_o_early):
@@ -1340,6 +1352,19 @@ def opaque_i32(value: Int32, *, loc=None, ip=None) -> Int32:
     """`value`, through an asm move the compiler cannot see through."""
     return Int32(llvm.inline_asm(
         cutlass.Int32.mlir_type, [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1; // opaque_i32", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def f32_after(value: Float32, dependency: Float32, *, loc=None, ip=None) -> Float32:
+    """`value` (exactly, for a finite `dependency`), as fma(dependency, 0, value) in asm: code that
+    uses the result cannot be scheduled before `dependency` is available, e.g. before the
+    wgmma.wait_group that guards an accumulator, which ptxas otherwise places where it likes."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type,
+        [Float32(value).ir_value(loc=loc, ip=ip), Float32(dependency).ir_value(loc=loc, ip=ip)],
+        "fma.rn.f32 $0, $2, 0f00000000, $1;", "=f,f,f",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
 

@@ -6,6 +6,7 @@ exercise the bookkeeping, and documents written here live in tmp_path.
 
 import io
 import json
+import time
 
 import pytest
 import torch
@@ -146,6 +147,26 @@ def test_interleaved_methods_take_turns_in_a_fresh_order_each_round():
     firsts = [timed[4 * r] for r in range(10)]  # two calls per method per round
     assert all(len(set(timed[4 * r:4 * r + 2])) == 1 for r in range(10))  # a round's share runs together
     assert set(firsts) == {"a", "b"}  # neither method always goes first
+
+
+def test_every_method_waits_behind_the_same_sleep_each_round():
+    # The sleep that hides launches must not depend on whose calls follow it: a method with slow
+    # host code would otherwise rest longer before each of its bursts.
+    class RecordingClock(harness.WallClock):
+        def __init__(self):
+            self.holds = []
+
+        def hold(self, seconds):
+            self.holds.append(seconds)
+
+    clock = RecordingClock()
+    slow_host = lambda i: time.sleep(0.002)
+    times = harness.measure_times_interleaved({"fast": lambda i: None, "slow": slow_host}, 1, clock,
+                                              min_reps=10, max_reps=10, min_rounds=5)
+    assert times["fast"]["reps"] == 10 and times["slow"]["reps"] == 10
+    assert len(clock.holds) == 10  # one per method per round
+    assert max(clock.holds) == min(clock.holds)
+    assert clock.holds[0] >= 1.5 * 2 * 0.002  # covers the slow method's two calls per round
 
 
 def test_round_medians_follow_each_rounds_calls():
