@@ -247,8 +247,9 @@ def measure_times_interleaved(
             release_memory()
     rounds = max([min_rounds] + [math.ceil(t.reps / burst) for t in timed.values()])
     # Every method's calls of a round wait behind the same sleep, long enough to queue the calls
-    # of the method with the most host time per round: a sleep sized to each method's own host
-    # time gave the slower hosts a longer rest before each burst (power and clock recover there).
+    # of the method with the most host time per round, so no method rests longer before its
+    # bursts than another (sized per method, FA4's sleeps were 2-3x ours; measured on the H100,
+    # that changed a method's speed by at most the round-to-round noise, ~1.5%, either way).
     hold_s = 1.5 * max((math.ceil(t.reps / rounds) * _host_s_per_call(t, flush_l2) for t in timed.values()), default=0.0)
     rng = random.Random(seed)
     for i_round in range(rounds):
