@@ -87,7 +87,8 @@ def _grid(plt, panels: list, title: str):
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
+    # Room above the panels for the (up to two-line) figure title, about 0.6 inch.
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.6 / fig.get_figheight()))
     fig.savefig(path, dpi=90)
     import matplotlib.pyplot as plt
 
@@ -124,10 +125,13 @@ def _plot_over_length(plt, panels: dict, title: str, path: Path, series: str, va
             pts = sorted((r[xkey], r[value]) for r in group if r[series] == name)
             color, marker = _style(name)
             ax.plot(*zip(*pts), marker=marker, color=color, label=f"vs {name}" if ratio else name)
+            if ratio:
+                _paired_range(ax, [r for r in group if r[series] == name], xkey, color)
         ax.set_xscale("log", base=2)
         if ratio:
             ax.axhline(1.0, color="black", lw=0.8)
             ax.set_yscale("log", base=2)
+            _plain_ratio_ticks(ax)
         else:
             ax.set_ylim(bottom=0)
         ax.set_xlabel(xkey.replace("_q", ""))
@@ -136,6 +140,28 @@ def _plot_over_length(plt, panels: dict, title: str, path: Path, series: str, va
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return _save(fig, path)
+
+
+def _plain_ratio_ticks(ax) -> None:
+    """Ratios as plain numbers on the log axis (its own ticks are powers of 2, often only 2^0)."""
+    from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter
+
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=6))
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.2f"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
+def _paired_range(ax, rows: list[dict], xkey: str, color) -> None:
+    """The paired speedup (results.paired_speedup: peer / ours within each round) as its median
+    with a bar over the rounds' min-max, beside the ratio of medians: how far the ratio can be
+    trusted."""
+    paired = sorted((r[xkey], r["paired"]) for r in rows if r.get("paired"))
+    if not paired:
+        return
+    xs = [x for x, _ in paired]
+    med = [p["median"] for _, p in paired]
+    spread = [[p["median"] - p["min"] for _, p in paired], [p["max"] - p["median"] for _, p in paired]]
+    ax.errorbar(xs, med, yerr=spread, fmt="_", color=color, alpha=0.5, capsize=2, lw=1)
 
 
 def plot_tflops(plt, rows: list[dict], suite: str, pass_: str, path: Path) -> Path | None:
@@ -151,7 +177,8 @@ def plot_ratios(plt, ratios: list[dict], suite: str, pass_: str, path: Path) -> 
     panels = _panels([r for r in ratios if r["kind"] == "speed" and r["pass"] == pass_])
     if not panels:
         return None
-    title = f"{suite}: {PASS_TITLE[pass_]} speedup of ours over each peer (>1: ours faster)"
+    title = (f"{suite}: {PASS_TITLE[pass_]} speedup of ours over each peer (>1: ours faster)\n"
+             "bars: median and min-max over rounds of the speedup within each round")
     return _plot_over_length(plt, panels, title, path, "peer", "speedup", "speedup", "speedup of ours", ratio=True)
 
 

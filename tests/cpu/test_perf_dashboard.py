@@ -66,3 +66,27 @@ def test_a_newer_run_in_another_dtype_does_not_hide_the_older_one():
     assert merged == 2 and doc is fp16
     assert {r["dtype"] for r in rows} == {"bf16", "fp16"}
     assert {r["pass"] for r in rows if r["dtype"] == "bf16"} == {r["pass"] for r in bf16["measurements"]}
+
+
+def test_ratio_plots_draw_the_paired_rounds_as_bars(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def ratio(seqlen, paired):
+        return {"kind": "speed", "pass": "fwd", "headdim": 64, "causal": False, "dtype": "bf16", "batch": 1,
+                "nheads": 1, "seqlen_q": seqlen, "seqlen_k": seqlen, "peer": "fa4", "speedup": 1.02, "paired": paired}
+
+    drawn = []
+    real_errorbar = plt.Axes.errorbar
+    plt.Axes.errorbar = lambda self, *a, **kw: drawn.append((a, kw)) or real_errorbar(self, *a, **kw)
+    try:
+        rows = [ratio(1024, {"median": 1.01, "min": 0.95, "max": 1.08, "rounds": 10}), ratio(2048, None),
+                ratio(4096, {"median": 0.99, "min": 0.9, "max": 1.1, "rounds": 10})]
+        assert dashboard.plot_ratios(plt, rows, "fake", "fwd", tmp_path / "r.png").stat().st_size > 1000
+    finally:
+        plt.Axes.errorbar = real_errorbar
+    (xs, med), kw = drawn[0]
+    assert list(xs) == [1024, 4096] and list(med) == [1.01, 0.99]  # the round without pairs is left out
+    low, high = kw["yerr"]
+    assert [round(v, 6) for v in low] == [0.06, 0.09] and [round(v, 6) for v in high] == [0.07, 0.11]
