@@ -195,10 +195,6 @@ def _calibrate(run_once, n_sets: int, clock, target_s: float, min_reps: int, max
     return _Timed(run_once, reps, statistics.median(host))
 
 
-def _host_s_per_call(t: _Timed, flush_l2: bool) -> float:
-    return t.host_s + (20e-6 if flush_l2 else 0.0)
-
-
 def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool, hold_s: float) -> None:
     """`n` back-to-back timed calls, queued behind a GPU sleep of `hold_s` that hides their launches."""
     clock.hold(hold_s)
@@ -250,7 +246,8 @@ def measure_times_interleaved(
     # of the method with the most host time per round, so no method rests longer before its
     # bursts than another (sized per method, FA4's sleeps were 2-3x ours; measured on the H100,
     # that changed a method's speed by at most the round-to-round noise, ~1.5%, either way).
-    hold_s = 1.5 * max((math.ceil(t.reps / rounds) * _host_s_per_call(t, flush_l2) for t in timed.values()), default=0.0)
+    flush_s = 20e-6 if flush_l2 else 0.0
+    hold_s = 1.5 * max((math.ceil(t.reps / rounds) * (t.host_s + flush_s) for t in timed.values()), default=0.0)
     rng = random.Random(seed)
     for i_round in range(rounds):
         active = [name for name, t in timed.items() if name not in results and len(t.marks) < t.reps]
