@@ -309,13 +309,17 @@ class FlashAttnFwdSm90:
           non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
           +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
           only there); it lost 1-3% at short d64, causal d128 and long non-causal d128.
+        * Mid and long d96 run 192 x 96 tiles (three consumer warp groups) instead of 128 x 128:
+          +11-15% at 2k-16k, causal and not, bf16 and fp16 (session 19, run 3); short problems keep
+          128 x 128 (192 x 96: -2 to -3% at 512 non-causal, -8% causal).
         * o_from_registers (see __init__; session 10, runs 1-3 of its variant log): short d256
           causal +2.8-3.0 / +1.1-1.2 / +0.6-0.8% at 512 / 1k / 2k with Q released after the
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
           GEMM (release_q_early); within +-0.6% at mid and long d256, which keep the smem path.
         """
+        three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and length != "short" else {}
         if length == "long":
-            config = dict(num_sms=num_sms, dynamic_schedule=True)
+            config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
             if head_dim <= 64 and not causal:
                 config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16)
             if head_dim > 192 and causal:
@@ -326,7 +330,7 @@ class FlashAttnFwdSm90:
                 else:
                     config.update(tile_m=192, tile_n=80, num_stages=3)
             return config
-        config = dict(num_sms=num_sms)
+        config = dict(num_sms=num_sms, **three_groups_d96)
         mid_full = length == "mid" and not causal
         if mid_full:  # the short settings, but d128's O rescale
             length = "short"

@@ -101,7 +101,7 @@ def test_fp32_inputs_raise_typed_error_before_writing():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_long_sequences(family, head_dim, causal):
     """Past 2048 keys (4096 when causal: dispatch.length_class) the sm90 forward launches other
     kernels than for short problems, checked here at an unaligned length on each side."""
@@ -111,19 +111,19 @@ def test_long_sequences(family, head_dim, causal):
     check_shape(1, (sq, sk), 2, 2, head_dim, causal)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_mid_causal(family, head_dim):
     """Causal problems with 2049-4096 keys ("mid", dispatch.length_class) run persistent CTAs on
-    their own tiles (causal d64: 192 rows instead of 128), here with more tiles than SMs."""
+    their own tiles (causal d64 and d96: 192 rows instead of 128), here with more tiles than SMs."""
     torch.manual_seed(head_dim + 11)
     assert dispatch.length_class(3500, True) == "mid"
     check_shape(2, (3001, 3500), 8, 4, head_dim, True)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_mid_full(family, head_dim):
     """Non-causal problems with 1025-2048 keys ("mid", dispatch.length_class) run the short
-    settings (d128 with O rescaled after the softmax), here with more tiles than SMs, GQA and an
+    settings (d128 with O rescaled after the softmax, d96 on 192-row tiles), here with more tiles than SMs, GQA and an
     unaligned key count."""
     torch.manual_seed(head_dim + 17)
     assert dispatch.length_class(1999, False) == "mid"
