@@ -123,8 +123,8 @@ def test_mid_causal(family, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_mid_full(family, head_dim):
     """Non-causal problems with 1025-2048 keys ("mid", dispatch.length_class) run the short
-    settings (d128 with O rescaled after the softmax, d96 on 192-row tiles), here with more tiles than SMs, GQA and an
-    unaligned key count."""
+    settings (d128 with O rescaled after the softmax, d96 on 192-row tiles), here with more tiles
+    than SMs, GQA and an unaligned key count."""
     torch.manual_seed(head_dim + 17)
     assert dispatch.length_class(1999, False) == "mid"
     check_shape(3, (1537, 1999), 8, 2, head_dim, False)
