@@ -310,8 +310,9 @@ class FlashAttnFwdSm90:
           +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
           only there); it lost 1-3% at short d64, causal d128 and long non-causal d128.
         * Mid and long d96 run 192 x 96 tiles (three consumer warp groups) instead of 128 x 128:
-          +11-15% at 2k-16k, causal and not, bf16 and fp16 (session 19, run 3); short problems keep
-          128 x 128 (192 x 96: -2 to -3% at 512 non-causal, -8% causal). Long d96 also skips O
+          +11-15% at 2k-16k non-causal and +14-21% causal, bf16 and fp16 (session 19, run 3);
+          short problems keep 128 x 128 (192 x 96: -2 to -3% at 512 non-causal, -8% causal). Long
+          d96 also skips O
           rescales that change nothing (rescale_if_moved) when non-causal, +0.9-1.2% at 8k and
           +1.4-3.1% at 16k, and derives the epilogue's coordinates per tile (recompute_epilogue)
           when causal, +2.3-3.3% at 16k (two interleaved runs, bf16 and fp16, session 19 runs 5-6).
