@@ -312,10 +312,10 @@ class FlashAttnFwdSm90:
         * Mid and long d96 run 192 x 96 tiles (three consumer warp groups) instead of 128 x 128:
           +11-15% at 2k-16k non-causal and +14-21% causal, bf16 and fp16 (session 19, run 3);
           short problems keep 128 x 128 (192 x 96: -2 to -3% at 512 non-causal, -8% causal). Long
-          d96 also skips O
-          rescales that change nothing (rescale_if_moved) when non-causal, +0.9-1.2% at 8k and
-          +1.4-3.1% at 16k, and derives the epilogue's coordinates per tile (recompute_epilogue)
-          when causal, +2.3-3.3% at 16k (two interleaved runs, bf16 and fp16, session 19 runs 5-6).
+          d96 also skips O rescales that change nothing (rescale_if_moved) when non-causal,
+          +0.9-1.2% at 8k and +1.4-3.1% at 16k, and derives the epilogue's coordinates per tile
+          (recompute_epilogue) when causal, +2.3-3.3% at 16k (two interleaved runs, bf16 and fp16,
+          session 19 runs 5-6).
         * o_from_registers (see __init__; session 10, runs 1-3 of its variant log): short d256
           causal +2.8-3.0 / +1.1-1.2 / +0.6-0.8% at 512 / 1k / 2k with Q released after the
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
