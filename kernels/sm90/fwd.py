@@ -328,7 +328,7 @@ class FlashAttnFwdSm90:
                 config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16)
             if head_dim > 192 and causal:
                 config.update(wg_epilogue=True, q_by_group=True)
-            if 64 < head_dim <= 96:
+            if three_groups_d96:
                 if causal:
                     config["recompute_epilogue"] = True
                 else:
