@@ -41,7 +41,7 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
         builds = {}
         # A kernel may launch differently per length class; the first class that launches a
         # kernel names it: long (unlabelled), then the others in dispatch's order.
-        for length in sorted(dispatch.LENGTH_CLASSES, key=lambda name: name != "long"):
+        for length in sorted(dispatch.length_classes(causal), key=lambda name: name != "long"):
             plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal, length)
             family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
             label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'' if length == 'long' else '/' + length}"

@@ -101,23 +101,30 @@ def _forward_classes(family: str):
 
 
 # Length classes, the only way lengths reach a compile key: kernels may pick other launch settings
-# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_SEQLEN_K keys are "short"
-# (SHORT_SEQLEN_K_FULL when non-causal); "mid" are causal ones up to MID_SEQLEN_K_CAUSAL keys, where
-# the persistent causal kernel still gains 2-9% (perf/NOTES.md) but wants other tiles than at 2k
-# keys, and non-causal ones up to SHORT_SEQLEN_K, where the short settings hold but for one (d128's
-# O rescale, session 12); the rest are "long".
-SHORT_SEQLEN_K = 2048
-SHORT_SEQLEN_K_FULL = 1024
+# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_SEQLEN_K keys are "short";
+# "short_2k" are those up to SHORT_2K_SEQLEN_K keys, which keep the short settings but for a few a
+# kernel changes there (d96's tiles, d128's non-causal O rescale, d256's causal blocks: perf/NOTES.md);
+# "mid" are causal ones up to MID_SEQLEN_K_CAUSAL keys, where the persistent causal kernel still gains
+# 2-9% but wants other tiles and its dynamic schedule; the rest are "long".
+SHORT_SEQLEN_K = 1024
+SHORT_2K_SEQLEN_K = 2048
 MID_SEQLEN_K_CAUSAL = 4096
 
 
 def length_class(seqlen_k: int, causal: bool) -> str:
-    if seqlen_k <= (SHORT_SEQLEN_K if causal else SHORT_SEQLEN_K_FULL):
+    if seqlen_k <= SHORT_SEQLEN_K:
         return "short"
-    return "mid" if seqlen_k <= (MID_SEQLEN_K_CAUSAL if causal else SHORT_SEQLEN_K) else "long"
+    if seqlen_k <= SHORT_2K_SEQLEN_K:
+        return "short_2k"
+    return "mid" if causal and seqlen_k <= MID_SEQLEN_K_CAUSAL else "long"
 
 
-LENGTH_CLASSES = ("short", "mid", "long")
+LENGTH_CLASSES = ("short", "short_2k", "mid", "long")
+
+
+def length_classes(causal: bool) -> tuple[str, ...]:
+    """The classes length_class returns for causal (or non-causal) problems."""
+    return LENGTH_CLASSES if causal else tuple(name for name in LENGTH_CLASSES if name != "mid")
 
 
 def fake_forward_args(cls, cdtype, head_dim: int) -> tuple:

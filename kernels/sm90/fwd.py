@@ -264,13 +264,13 @@ class FlashAttnFwdSm90:
 
     @staticmethod
     def length_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
-        """Init arguments for a length class (dispatch.length_class: "short" up to 2048 keys, 1024
-        non-causal; "mid" up to 4096 causal, 2048 non-causal; "long").
+        """Init arguments for a length class (dispatch.length_class: "short" up to 1024 keys,
+        "short_2k" up to 2048, "mid" causal up to 4096, "long").
 
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md):
-        * Short and mid: persistent CTAs are 5-24% faster at seqlen 512-2048 for head dims up to
-          128, where a tile is only a few K/V blocks and the next tile's loads hide behind this
-          one's epilogue, and 0-4% at d192/d256 (causal, with the snake walk of unit_of_round: d128
+        * Short (and short_2k, on its settings) and mid: persistent CTAs are 5-24% faster at seqlen
+          512-2048 for head dims up to 128, where a tile is only a few K/V blocks and the next
+          tile's loads hide behind this one's epilogue, and 0-4% at d192/d256 (causal, with the snake walk of unit_of_round: d128
           +13-18%, d256 +1-8%, and still +2-9% at 4k). d128 then prefers two K/V stages, which
           leave room for O's own smem buffer. Short causal tiles run longest first within each head
           ("head"): +19%/+11% at d128 512/1k over "l2". Short causal d64 switches to 128 x 128
@@ -286,12 +286,15 @@ class FlashAttnFwdSm90:
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
-        * Mid (non-causal, 1025-2048 keys): the short settings, but d128 rescales O after the
+        * Short_2k (1025-2048 keys): the short settings, but non-causal d128 rescales O after the
           softmax (rescale_o_early off): +1.2-1.7% at 2k (bf16 and fp16, three interleaved runs,
           session 12); at 1k +0.2-0.5% and at 512 -0.2 to -1.1%, so short problems keep the early one.
+          Short causal d256 runs 64-column blocks, which waste less of the diagonal block: +1.6 /
+          +2.1% at 512 and +1.6 / +1.7% at 1k (bf16 / fp16, session 20, run 2; +0.8-1.9% at 512 in
+          sessions 6-7), but -0.1 to -0.5% at 2k, which keeps 80.
         * Short non-causal d128 (up to 1024 keys) keeps the DSL's sleeping pipeline waits
           (spin_waits off): +0.3 to +1.0% at 512 and 0 to +0.5% at 1k in five interleaved runs
-          (bf16 and fp16, sessions 12-13); mid (2k) keeps the spinning waits.
+          (bf16 and fp16, sessions 12-13); short_2k keeps the spinning waits.
         * Long: persistent with the dynamic schedule. A static walk lost there when causal (16k
           d128 427 vs 636 TFLOP/s: CTAs whose tiles were short raced ahead over other heads' K/V);
           the counter keeps the tiles in flight a window of the longest-first order. Against one
@@ -309,9 +312,10 @@ class FlashAttnFwdSm90:
           non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
           +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
           only there); it lost 1-3% at short d64, causal d128 and long non-causal d128.
-        * Mid and long d96 run 192 x 96 tiles (three consumer warp groups) instead of 128 x 128:
-          +11-15% at 2k-16k non-causal and +14-21% causal, bf16 and fp16 (session 19, run 3);
-          short problems keep 128 x 128 (192 x 96: -2 to -3% at 512 non-causal, -8% causal). Long
+        * From 1025 keys on d96 runs 192 x 96 tiles (three consumer warp groups) instead of 128 x 128:
+          +11-15% at 2k-16k non-causal and +14-21% causal, bf16 and fp16 (session 19, run 3; causal
+          2k +15.0 / +15.4% in session 20, run 2); short problems keep 128 x 128 (192 x 96: -2 to -3%
+          at 512 non-causal, -8% causal at 512 and 1k). Long
           d96 also skips O rescales that change nothing (rescale_if_moved) when non-causal,
           +0.9-1.2% at 8k and +1.4-3.1% at 16k, and derives the epilogue's coordinates per tile
           (recompute_epilogue) when causal, +2.3-3.3% at 16k (two interleaved runs, bf16 and fp16,
@@ -340,8 +344,9 @@ class FlashAttnFwdSm90:
                     config.update(tile_m=192, tile_n=80, num_stages=3)
             return config
         config = dict(num_sms=num_sms, **three_groups_d96)
-        mid_full = length == "mid" and not causal
-        if mid_full:  # the short settings, but d128's O rescale
+        up_to_1k = length == "short"
+        late_rescale = length == "short_2k" and not causal
+        if length == "short_2k":  # the short settings, but for d96's tiles, d128's O rescale, d256's blocks
             length = "short"
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
@@ -354,13 +359,15 @@ class FlashAttnFwdSm90:
             if length == "short" and causal:
                 config["recompute_epilogue"] = True
             elif length == "short":
-                config.update(q_by_group=True, rescale_o_early=not mid_full, spin_waits=mid_full)
+                config.update(q_by_group=True, rescale_o_early=not late_rescale, spin_waits=late_rescale)
         if head_dim > 192:
             config["q_by_group"] = True
             if not causal:
                 config["recompute_epilogue"] = True
             if length == "short":
                 config.update(o_from_registers=True, release_q_early=not causal)
+            if causal and up_to_1k:
+                config["tile_n"] = 64
         if head_dim <= 64:
             if length == "short":
                 config["prefetch_next"] = True

@@ -21,11 +21,11 @@ def test_check_reports_resources_and_instructions(capsys, arch, family, instruct
     assert code == 0, out
     rows = [line for line in out.splitlines() if line.startswith("fwd/")]
     # causal and not; the sm90 family also launches short sequences persistently (another kernel;
-    # d128's "mid" causal kernel is its short one, its non-causal one rescales O later)
+    # d128's causal "short_2k" kernel is its short one, its non-causal one rescales O later)
     expected = 5 if family == "sm90" else 2
     assert len(rows) == expected and all(f"fwd/{family}/bfloat16/d128" in r for r in rows)
     assert sorted(r.split()[0] for r in rows if "/short" in r or "/mid" in r) == (
-        ["fwd/sm90/bfloat16/d128/causal/short", "fwd/sm90/bfloat16/d128/full/mid", "fwd/sm90/bfloat16/d128/full/short"]
+        ["fwd/sm90/bfloat16/d128/causal/short", "fwd/sm90/bfloat16/d128/full/short", "fwd/sm90/bfloat16/d128/full/short_2k"]
         if family == "sm90" else [])
     for row in rows:
         assert all(f"{ins}=" in row and f"{ins}=0" not in row for ins in instructions), row

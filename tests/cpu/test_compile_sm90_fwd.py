@@ -47,9 +47,12 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
     # Short d256 loads Q by warp group into its one Q buffer and stores O from registers
-    # (o_from_registers), releasing Q after the mainloop (causal) or its last S GEMM.
-    (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
+    # (o_from_registers), releasing Q after the mainloop (causal) or its last S GEMM; causal up to
+    # 1024 keys on 64-column blocks, up to 2048 on 80.
+    (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=64, num_stages=2, lpt="head", wg_epilogue=True,
                                        q_by_group=True, o_from_registers=True, release_q_early=False)),
+    (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
+                                      q_by_group=True, o_from_registers=True, release_q_early=False)),
     # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile.
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
                                         recompute_epilogue=True, q_by_group=True, o_from_registers=True)),
@@ -65,9 +68,11 @@ VARIANTS = [
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True,
                                       wg_epilogue=True, q_by_group=True)),
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, dynamic_schedule=True)),
-    # Mid and long d96: three consumer warp groups of 64 x 96 (long causal: per-tile epilogue coordinates).
+    # d96 from 1025 keys on: three consumer warp groups of 64 x 96 (long causal: per-tile epilogue
+    # coordinates; causal up to 2048 keys: the short settings' static walk).
     (cutlass.Float16, 96, True, dict(tile_m=192, tile_n=96, num_stages=2, lpt="l2", dynamic_schedule=True,
                                      recompute_epilogue=True)),
+    (cutlass.BFloat16, 96, True, dict(tile_m=192, tile_n=96, num_stages=2, lpt="head")),
     # No overlap inside a warp group (one_block_serial, and pass_blocks' serial form): not a
     # dispatched launch, kept to measure the overlap against; compiled here so that it stays sound.
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=3, lpt="l2", intra_wg_overlap=False)),
@@ -143,7 +148,7 @@ def test_can_implement_rejects_what_this_path_does_not_serve():
         for causal, dtype in itertools.product((False, True), (cutlass.BFloat16, cutlass.Float16)):
             base = FlashAttnFwdSm90.default_tiles(dtype, head_dim, causal)
             assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **base)
-            for length in dispatch.LENGTH_CLASSES:
+            for length in dispatch.length_classes(causal):
                 tiles = dict(base, **FlashAttnFwdSm90.length_config(dtype, head_dim, causal, length, 132))
                 assert FlashAttnFwdSm90.can_implement(dtype, head_dim, causal, **tiles)
 

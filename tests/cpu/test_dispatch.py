@@ -49,7 +49,9 @@ def test_sm90_serves_its_head_dims_and_sm80_the_rest(monkeypatch):
 
 def test_length_buckets_reach_the_sm90_launch_settings():
     classes = [dispatch.length_class(n, causal) for causal in (False, True) for n in (1024, 1025, 2048, 2049, 4096, 4097)]
-    assert classes == ["short", "mid", "mid", "long", "long", "long", "short", "short", "short", "mid", "mid", "long"]
+    assert dispatch.length_classes(False) == ("short", "short_2k", "long")
+    assert classes == ["short", "short_2k", "short_2k", "long", "long", "long",
+                       "short", "short_2k", "short_2k", "mid", "mid", "long"]
     short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="short", num_sms=132).init_kwargs)
     long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="long", num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
@@ -59,15 +61,15 @@ def test_length_buckets_reach_the_sm90_launch_settings():
     # Long non-causal d128: 192 x 80 tiles; d64: next tile's blocks prefetched on short problems,
     # the dynamic schedule on long ones.
     long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, length="long", num_sms=132).init_kwargs)
-    # Non-causal "mid" (1025-2048 keys): the short settings, but d128 rescales O after the softmax.
+    # Non-causal "short_2k" (1025-2048 keys): the short settings, but d128 rescales O after the softmax.
     for head_dim in (64, 128, 256):
-        short_full, mid_full = (dict(dispatch.plan_forward((9, 0), torch.bfloat16, head_dim, False, length=length,
-                                                           num_sms=132).init_kwargs) for length in ("short", "mid"))
+        short_full, short_2k_full = (dict(dispatch.plan_forward((9, 0), torch.bfloat16, head_dim, False, length=length,
+                                                           num_sms=132).init_kwargs) for length in ("short", "short_2k"))
         expected = dict(short_full, rescale_o_early=False) if head_dim == 128 else short_full
         if head_dim == 128:  # short problems keep the DSL's sleeping waits, mid ones spin
             expected["spin_waits"] = True
-            assert short_full["spin_waits"] is False and mid_full["spin_waits"] is True
-        assert mid_full == expected and short_full.get("rescale_o_early", True)
+            assert short_full["spin_waits"] is False and short_2k_full["spin_waits"] is True
+        assert short_2k_full == expected and short_full.get("rescale_o_early", True)
     assert (long_full["tile_m"], long_full["tile_n"], long_full["num_sms"]) == (192, 80, 132)
     assert long_full["dynamic_schedule"]
     for causal in (False, True):
@@ -85,11 +87,17 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert not short64.get("recompute_epilogue", False)
         assert short64["wg_epilogue"] and short64["q_stages"] == 2
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
-    for length, tile_m in (("short", 128), ("mid", 192), ("long", 192)):
+    for length, tile_m in (("short", 128), ("short_2k", 128), ("mid", 192), ("long", 192)):
         plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, True, length=length, num_sms=132).init_kwargs)
         assert plan["tile_m"] == tile_m and plan["num_sms"] == 132
-        assert plan.get("dynamic_schedule", False) == (length != "short")
-        assert plan.get("q_stages", 1) == (2 if length == "short" else 1)
+        assert plan.get("dynamic_schedule", False) == (length in ("mid", "long"))
+        assert plan.get("q_stages", 1) == (2 if length.startswith("short") else 1)
+    # Causal d96 on 192 x 96 tiles from 1025 keys on; causal d256 on 64-column blocks up to 1024 keys.
+    for length, d96_tiles, d256_tile_n in (("short", (128, 128), 64), ("short_2k", (192, 96), 80), ("mid", (192, 96), 80)):
+        d96, d256 = (dict(dispatch.plan_forward((9, 0), torch.float16, d, True, length=length, num_sms=132).init_kwargs)
+                     for d in (96, 256))
+        assert (d96["tile_m"], d96["tile_n"]) == d96_tiles and d256["tile_n"] == d256_tile_n
+        assert d96.get("dynamic_schedule", False) == (length == "mid")
     assert short["q_stages"] == 2 and short["wg_epilogue"] and short["recompute_epilogue"]
     assert not long.get("recompute_epilogue", False)
     for causal in (False, True):
