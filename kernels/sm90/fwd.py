@@ -270,19 +270,19 @@ class FlashAttnFwdSm90:
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md):
         * Short (and short_2k, on its settings) and mid: persistent CTAs are 5-24% faster at seqlen
           512-2048 for head dims up to 128, where a tile is only a few K/V blocks and the next
-          tile's loads hide behind this one's epilogue, and 0-4% at d192/d256 (causal, with the snake walk of unit_of_round: d128
-          +13-18%, d256 +1-8%, and still +2-9% at 4k). d128 then prefers two K/V stages, which
-          leave room for O's own smem buffer. Short causal tiles run longest first within each head
-          ("head"): +19%/+11% at d128 512/1k over "l2". Short causal d64 switches to 128 x 128
-          tiles, which waste less of the diagonal block: +8% at 512 and +9% at 1k against
-          192 x 128 (-2% at 2k, +5% for 192 x 128 at 4k: so "mid" keeps them; non-causal: -2% at
-          1k, -11% at 2k). Short d64 also warms L2 with the next tile's first blocks (prefetch_next):
-          +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores its own rows of O
-          (wg_epilogue) and Q is double-buffered (q_stages=2): non-causal d64/d128 +2-7% at
-          512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k, causal d64 +4.4/+2.8/+1.7% at
+          tile's loads hide behind this one's epilogue, and 0-4% at d192/d256 (causal, with the
+          snake walk of unit_of_round: d128 +13-18%, d256 +1-8%, and still +2-9% at 4k). d128 then
+          prefers two K/V stages, which leave room for O's own smem buffer. Short causal tiles run
+          longest first within each head ("head"): +19%/+11% at d128 512/1k over "l2". Short causal
+          d64 switches to 128 x 128 tiles, which waste less of the diagonal block: +8% at 512 and
+          +9% at 1k against 192 x 128 (-2% at 2k, +5% for 192 x 128 at 4k: so "mid" keeps them; non-
+          causal: -2% at 1k, -11% at 2k). Short d64 also warms L2 with the next tile's first blocks
+          (prefetch_next): +2-5% at 512-1k, while d128 loses 1-8% with it. Each warp group stores
+          its own rows of O (wg_epilogue) and Q is double-buffered (q_stages=2): non-causal d64/d128
+          +2-7% at 512-2k, causal d128 +7/+5/+3/+0.5% at 512/1k/2k/4k, causal d64 +4.4/+2.8/+1.7% at
           512/1k/2k (mid: -1.9%); wg_epilogue alone: causal d64 +2-4%, d256 +0-2% at 512-2k (two Q
-          stages do not fit there); 96- and 192-element rows do not split into 16-byte pieces
-          over 128 threads.
+          stages do not fit there); 96- and 192-element rows do not split into 16-byte pieces over
+          128 threads.
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
