@@ -97,7 +97,6 @@ class FlashAttnFwdSm90:
         q_by_group: bool = False,
         o_from_registers: bool = False,
         release_q_early: bool = True,
-        pv_wait_after_max: bool = True,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -176,13 +175,6 @@ class FlashAttnFwdSm90:
         # the load overlaps the last PV GEMM too. Measured (interleaved, short d256): non-causal
         # +0.3-0.8% over the late release, causal -4.3% at 512 (length_config).
         self.release_q_early = release_q_early and self.o_from_registers
-        # Wait for the previous block's PV GEMM between the row maxima and the exponentials, with
-        # the exponentials made to depend on O (f32_after): otherwise ptxas places that wait where
-        # it likes, after 0-12 of the exponentials, by dtype and by unrelated options. Measured
-        # (interleaved A/B, bf16 / fp16, session 18): non-causal d128 +1.5-2.1% at 4k, +2.6-3.6%
-        # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
-        # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
-        self.pv_wait_after_max = pv_wait_after_max and intra_wg_overlap
         self.num_wg_mma = tile_m // 64
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
         # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
@@ -1123,15 +1115,17 @@ class FlashAttnFwdSm90:
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
-        if const_expr(self.pv_wait_after_max):
-            max_scaled, row_scale = c.softmax.update_row_max(c.acc_S)
-            warpgroup.wait_group(0)
-            for r in cutlass.range_constexpr(cute.size(max_scaled)):
-                max_scaled[r] = f32_after(max_scaled[r], c.acc_O[0])
-            c.softmax.exponentiate(c.acc_S, max_scaled, row_scale)
-        else:
-            row_scale = c.softmax.online_softmax(c.acc_S)
-            warpgroup.wait_group(0)
+        # Wait for the previous block's PV GEMM between the row maxima and the exponentials, with
+        # the exponentials made to depend on O (f32_after): otherwise ptxas places that wait where
+        # it likes, after 0-12 of the exponentials, by dtype and by unrelated options. Measured
+        # (interleaved A/B, bf16 / fp16, session 18): non-causal d128 +1.5-2.1% at 4k, +2.6-3.6%
+        # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
+        # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
+        max_scaled, row_scale = c.softmax.update_row_max(c.acc_S)
+        warpgroup.wait_group(0)
+        for r in cutlass.range_constexpr(cute.size(max_scaled)):
+            max_scaled[r] = f32_after(max_scaled[r], c.acc_O[0])
+        c.softmax.exponentiate(c.acc_S, max_scaled, row_scale)
         c.pipeline_v.consumer_release(kv_state_v)
         self.convert_P(c)
         if const_expr(self.rescale_o_early):
