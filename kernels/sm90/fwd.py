@@ -278,6 +278,13 @@ class FlashAttnFwdSm90:
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
+        * Short non-causal d128 and d256 (up to 1024 keys) take their tiles from the counter too:
+          d128 +2.4-2.7% at 512, +1.6-2.0% at 1k, d256 +2.4-3.0% at 512 (session 21, two runs, one
+          call after an L2 flush): a static walk's CTAs end up to 10% apart at 512 keys (Nsight
+          Compute: active cycles 201k-221k, cuDNN's 200k-214k), and the counter evens them out.
+          Short_2k (+0.3 / -1.0% at d128 2k), short d64 (-3.8% at 512: it gives up prefetch_next)
+          and short causal problems (-1 to -3% in the per-head order, -3 to -14% in "l2") keep
+          the static walk.
         * Short_2k (1025-2048 keys): the short settings, but non-causal d128 rescales O after the
           softmax (rescale_o_early off): +1.2-1.7% at 2k (bf16 and fp16, three interleaved runs,
           session 12); at 1k +0.2-0.5% and at 512 -0.2 to -1.1%, so short problems keep the early one.
@@ -294,8 +301,8 @@ class FlashAttnFwdSm90:
           at 8k, d128 with two K/V stages, two Q stages and per-group O stores +5.1% / +1.9%;
           non-causal d96 +8%, d192 +2%, d256 +1-1.5%. Non-causal d128 runs 192 x 80 tiles (three
           consumer warp groups, three K/V stages): +1-3% at 4k-16k over 128 x 128, and +2% with
-          the counter over a static walk. Short problems keep the static walk (the counter:
-          causal d64 -10% at 1k, non-causal d128 equal). Long non-causal d64 keeps the DSL's
+          the counter over a static walk. Most short problems keep the static walk (the counter:
+          causal d64 -10% at 1k; see below for the exceptions). Long non-causal d64 keeps the DSL's
           sleeping pipeline waits (spin_waits: -1 to -2% there).
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
@@ -344,7 +351,7 @@ class FlashAttnFwdSm90:
             config["wg_epilogue"] = True
         if causal:
             config["lpt"] = "head" if length == "short" else "l2"
-        if length == "mid":
+        if length == "mid" or (up_to_1k and not causal and head_dim > 96):
             config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)

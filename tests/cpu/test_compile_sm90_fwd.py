@@ -36,11 +36,12 @@ VARIANTS = [
                                       wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 192, False, None),
     # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O;
-    # d128 with the DSL's sleeping pipeline waits.
+    # d128 with the DSL's sleeping pipeline waits and, up to 1024 keys, the global tile counter.
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
                                        wg_epilogue=True, q_stages=2)),
     (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2,
-                                       q_by_group=True, rescale_if_moved=True, spin_waits=False)),
+                                       q_by_group=True, rescale_if_moved=True, spin_waits=False,
+                                       dynamic_schedule=True)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
                                        q_stages=2, recompute_epilogue=True)),
@@ -53,9 +54,13 @@ VARIANTS = [
                                        q_by_group=True, o_from_registers=True, release_q_early=False)),
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
                                       q_by_group=True, o_from_registers=True, release_q_early=False)),
-    # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile.
+    # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile;
+    # short_2k non-causal d256 walks its tiles statically.
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
                                         recompute_epilogue=True, q_by_group=True, o_from_registers=True)),
+    (cutlass.Float16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
+                                       recompute_epilogue=True, q_by_group=True, o_from_registers=True,
+                                       dynamic_schedule=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,

@@ -147,6 +147,20 @@ def test_dynamic_schedule(family, head_dim, causal):
         assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [128, 192, 256])
+def test_short_dynamic_schedule(family, head_dim, dtype):
+    """Short non-causal d128-d256 (up to 1024 keys) also take their tiles from the global counter:
+    here with four times more tiles than SMs, GQA and a ragged query count, twice in a row."""
+    from cute_flash import forward_sm90
+
+    torch.manual_seed(head_dim + 29)
+    assert dispatch.length_class(1000, False) == "short"
+    check_shape(4, (1000, 1000), 16, 4, head_dim, False, dtype=dtype, calls=2)
+    for counters in forward_sm90._counters.values():
+        assert int(counters.abs().sum()) == 0
+
+
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
 def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     """The long causal tile order (kernels/sm90/fwd.py: tile_coord, "l2") in its two rarer shapes:
