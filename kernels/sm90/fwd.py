@@ -278,13 +278,13 @@ class FlashAttnFwdSm90:
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
           d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
-        * Short non-causal d128 and d256 (up to 1024 keys) take their tiles from the counter too:
-          d128 +2.4-2.7% at 512, +1.6-2.0% at 1k, d256 +2.4-3.0% at 512 (session 21, two runs, one
-          call after an L2 flush): a static walk's CTAs end up to 10% apart at 512 keys (Nsight
-          Compute: active cycles 201k-221k, cuDNN's 200k-214k), and the counter evens them out.
-          Short_2k (+0.3 / -1.0% at d128 2k), short d64 (-3.8% at 512: it gives up prefetch_next)
-          and short causal problems (-1 to -3% in the per-head order, -3 to -14% in "l2") keep
-          the static walk.
+        * Short non-causal d128, d192 and d256 (up to 1024 keys) take their tiles from the counter
+          too: d128 +0.5-2.7% at 512 and 1k, d192 +1.6-3.0%, d256 0 to +4.6% at 512 and +-0.3% at
+          1k (session 21, three runs, bf16 and fp16, one call after an L2 flush): a static walk's
+          CTAs end up to 10% apart at 512 keys (Nsight Compute, d128: active cycles 201k-221k,
+          cuDNN's 200k-214k), and the counter evens them out. Short_2k (+0.3 / -1.0% at d128 2k),
+          short d64 (-3.8% at 512: it gives up prefetch_next), d96 (-4.5% at 512) and short causal
+          problems (-1 to -3% in the per-head order, -3 to -14% in "l2") keep the static walk.
         * Short_2k (1025-2048 keys): the short settings, but non-causal d128 rescales O after the
           softmax (rescale_o_early off): +1.2-1.7% at 2k (bf16 and fp16, three interleaved runs,
           session 12); at 1k +0.2-0.5% and at 512 -0.2 to -1.1%, so short problems keep the early one.

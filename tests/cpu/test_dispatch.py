@@ -69,7 +69,7 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         if head_dim == 128:  # short problems keep the DSL's sleeping waits, mid ones spin
             expected["spin_waits"] = True
             assert short_full["spin_waits"] is False and short_2k_full["spin_waits"] is True
-        # Up to 1024 keys d128 and d256 take their tiles from the counter; short_2k walks statically.
+        # Up to 1024 keys d128 to d256 take their tiles from the counter; short_2k walks statically.
         assert short_full.get("dynamic_schedule", False) == (head_dim > 96)
         expected.pop("dynamic_schedule", None)
         assert short_2k_full == expected and short_full.get("rescale_o_early", True)
