@@ -343,36 +343,35 @@ class FlashAttnFwdSm90:
                     config.update(tile_m=192, tile_n=80, num_stages=3)
             return config
         config = dict(num_sms=num_sms, **three_groups_d96)
-        up_to_1k = length == "short"
+        # short_2k takes the short settings, but for d96's tiles, d128's O rescale and d256's blocks.
+        short, up_to_1k = length in ("short", "short_2k"), length == "short"
         late_rescale = length == "short_2k" and not causal
-        if length == "short_2k":  # the short settings, but for d96's tiles, d128's O rescale, d256's blocks
-            length = "short"
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
         if causal:
-            config["lpt"] = "head" if length == "short" else "l2"
+            config["lpt"] = "head" if short else "l2"
         if length == "mid" or (up_to_1k and not causal and head_dim > 96):
             config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
-            if length == "short" and causal:
+            if short and causal:
                 config["recompute_epilogue"] = True
-            elif length == "short":
+            elif short:
                 config.update(q_by_group=True, rescale_o_early=not late_rescale, spin_waits=late_rescale)
         if head_dim > 192:
             config["q_by_group"] = True
             if not causal:
                 config["recompute_epilogue"] = True
-            if length == "short":
+            if short:
                 config.update(o_from_registers=True, release_q_early=not causal)
             if causal and up_to_1k:
                 config["tile_n"] = 64
         if head_dim <= 64:
-            if length == "short":
+            if short:
                 config["prefetch_next"] = True
-            if causal and length == "short":
+            if causal and short:
                 config.update(tile_m=128, tile_n=128)
-            if not causal or length == "short":
+            if not causal or short:
                 config["q_stages"] = 2
         return config
 
