@@ -4,11 +4,14 @@ A persistent non-causal kernel cuts the tiles of its last, partial round into pi
 keys (kernels/sm90/fwd.py, `tail_split_plan`). Per call that takes a float32 workspace for the
 pieces' O and LSE, from torch's caching allocator, and one counter per split tile. A persistent
 kernel with the dynamic schedule takes one more counter, its next unit. The kernel leaves every
-counter at zero: they are allocated once per (device, stream) and reused.
+counter at zero: they are allocated once per (device, stream) and reused. A causal kernel with a
+planned tail (`planned_tail`) takes its walk plan in the counters' place: made once per (device,
+problem shape) and kept.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable
 
 import torch
@@ -40,6 +43,13 @@ def _unused_workspace(device: torch.device, head_dim: int) -> tuple[torch.Tensor
     return workspace
 
 
+@lru_cache(maxsize=256)
+def _walk_plan(device_index: int, seqlen_q: int, seqlen_k: int, num_heads_batch: int, tile_m: int, tile_n: int,
+               num_sms: int) -> torch.Tensor:
+    plan = FlashAttnFwdSm90.plan_walk(seqlen_q, seqlen_k, num_heads_batch, tile_m, tile_n, num_sms)
+    return torch.tensor(plan, dtype=torch.int32, device=torch.device("cuda", device_index))
+
+
 def launcher(compiled, config: dict) -> Callable:
     """`launch(q, k, v, out, lse, softmax_scale)` for a compiled FlashAttnFwdSm90 with init
     arguments `config`: plans the tail split of this call and passes its workspace."""
@@ -47,6 +57,7 @@ def launcher(compiled, config: dict) -> Callable:
     num_sms = config.get("num_sms", 0)
     splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, config["causal"])
     counts_units = FlashAttnFwdSm90.dynamic_schedule_enabled(num_sms, config.get("dynamic_schedule", False))
+    plans_tail = FlashAttnFwdSm90(**config).planned_tail
 
     def launch(q, k, v, out, lse, softmax_scale):
         split_tiles, splits = 0, 1
@@ -66,6 +77,10 @@ def launcher(compiled, config: dict) -> Callable:
             workspace = _unused_workspace(q.device, head_dim)
             if counts_units:
                 workspace = workspace[:2] + (_counters_for(q.device, num_sms),)
+            elif plans_tail:
+                batch, seqlen_q, heads, _ = q.shape
+                workspace = workspace[:2] + (
+                    _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
         compiled(q, k, v, out, lse, *workspace, softmax_scale, split_tiles, splits)
 
     return launch

@@ -31,7 +31,9 @@ seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
 
 from __future__ import annotations
 
+import heapq
 import math
+from collections import Counter
 from functools import partial
 from types import SimpleNamespace
 
@@ -65,6 +67,12 @@ _WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themsel
 _MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
 _MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
 _SCHED_STAGES = 2  # next-unit slots between the producer and the consumers (dynamic_schedule)
+# The walk plan's cost model (planned_tail): a tile costs this many K/V blocks' time besides its
+# blocks (its prologue, epilogue and first loads). Per-CTA timeline, causal d128 512 keys (session
+# 21): 2.0 us + 1.68 us per block.
+_TILE_COST_BLOCKS = 1.2
+_PLANNED_TAIL_ROUNDS = 4  # at most this many full rounds before the end are planned
+_NO_UNIT = 2**31 - 1  # a walk plan's entry for a CTA that has no more units
 
 
 class FlashAttnFwdSm90:
@@ -97,6 +105,7 @@ class FlashAttnFwdSm90:
         q_by_group: bool = False,
         o_from_registers: bool = False,
         release_q_early: bool = True,
+        planned_tail: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -156,6 +165,11 @@ class FlashAttnFwdSm90:
         # finish, instead of a fixed stride: the units in flight stay a window of that order, and
         # a CTA whose tiles were short does not run ahead into other heads' K/V.
         self.dynamic_schedule = FlashAttnFwdSm90.dynamic_schedule_enabled(num_sms, dynamic_schedule)
+        # The last rounds of the static per-head causal walk come from a plan the host makes per
+        # call (plan_walk): their tiles, longest first, to the CTAs with the least modeled work.
+        self.planned_tail = (
+            planned_tail and causal and lpt == "head" and num_sms > 0 and not self.dynamic_schedule
+        )
         # Tail split: the host decides per call (tail_split_plan).
         self.splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, causal)
         # Q stages: with two, the producer loads the next tile's Q while this one runs.
@@ -319,6 +333,11 @@ class FlashAttnFwdSm90:
           +0.9-1.2% at 8k and +1.4-3.1% at 16k, and derives the epilogue's coordinates per tile
           (recompute_epilogue) when causal, +2.3-3.3% at 16k (two interleaved runs, bf16 and fp16,
           session 19 runs 5-6).
+        * Short and short_2k causal problems take the last rounds of their walk from a host plan
+          (planned_tail, plan_walk): d64 +0.3 / +0.8% at 512, +1.7 to +2.6% at 1k, +1.9 / +2.0% at
+          2k; d128 +0.6 / +0.7% at 512, +0.5 to +1.6% at 1k, +0.7 / +1.0% at 2k; d256 +0.0 to
+          +0.6% at 1k and 2k, no plan at 512 (session 22, runs 1-2, bf16 and fp16, one call after
+          an L2 flush).
         * o_from_registers (see __init__; session 10, runs 1-3 of its variant log): short d256
           causal +2.8-3.0 / +1.1-1.2 / +0.6-0.8% at 512 / 1k / 2k with Q released after the
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
@@ -348,8 +367,10 @@ class FlashAttnFwdSm90:
         late_rescale = length == "short_2k" and not causal
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
-        if causal:
-            config["lpt"] = "head" if short else "l2"
+        if causal and short:
+            config.update(lpt="head", planned_tail=True)
+        elif causal:
+            config["lpt"] = "l2"
         if length == "mid" or (up_to_1k and not causal and head_dim > 96):
             config["dynamic_schedule"] = True
         if 96 < head_dim <= 128:
@@ -421,6 +442,62 @@ class FlashAttnFwdSm90:
             return 0, 1
         splits = min(num_sms // leftover, num_n_blocks // _MIN_PIECE_BLOCKS, _MAX_SPLITS)
         return (leftover, splits) if splits >= 2 else (0, 1)
+
+    @staticmethod
+    def plan_walk(seqlen_q: int, seqlen_k: int, num_heads_batch: int, tile_m: int, tile_n: int,
+                  num_sms: int) -> list[int]:
+        """The planned tail of a persistent per-head causal walk (planned_tail), as the int32
+        words the kernel reads: [first planned round, then one row of grid entries per planned
+        round, unit or _NO_UNIT, then a row of _NO_UNIT]. Rounds before the first follow
+        unit_of_round's snake. The planned units, the last 1.._PLANNED_TAIL_ROUNDS full rounds and
+        the partial one, go longest first to the CTA with the least modeled work so far
+        (_TILE_COST_BLOCKS); the number of rounds with the shortest modeled end wins. [_NO_UNIT]
+        when no plan ends sooner than the snake.
+
+        Why: the snake pairs a round's long tiles with the next round's short ones, but the last
+        full round and the partial one are not paired. Causal d128, 512 keys, 2048 tiles on 132
+        SMs: CTAs with 16 tiles end at 59.2 modeled blocks, those with 15 at 54.2 to 57.2
+        (per-CTA timeline, session 21: 99.4 against 91.9-95.6 us); planned, 58.2."""
+        m_blocks = -(-seqlen_q // tile_m)
+        num_tiles = m_blocks * num_heads_batch
+        grid = min(num_tiles, num_sms)
+        full_rounds = num_tiles // grid
+        ranges = BlockRanges(tile_m, tile_n, True)
+        # Unit u of the per-head order is m_block m_blocks - 1 - u % m_blocks (tile_coord).
+        cost = [_TILE_COST_BLOCKS + ranges.n_block_end((m_blocks - i) * tile_m, seqlen_q, seqlen_k)
+                for i in range(m_blocks)]
+
+        def snake_loads(rounds: int) -> list[float]:
+            # A round's costs depend only on its parity and on where it starts within a head.
+            loads = [0.0] * grid
+            for (odd, start), count in Counter((r % 2, r * grid % m_blocks) for r in range(rounds)).items():
+                for lane in range(grid):
+                    loads[grid - 1 - lane if odd else lane] += count * cost[(start + lane) % m_blocks]
+            return loads
+
+        snake_end = snake_loads(full_rounds)
+        odd_last = full_rounds % 2
+        for unit in range(full_rounds * grid, num_tiles):
+            lane = unit - full_rounds * grid
+            snake_end[grid - 1 - lane if odd_last else lane] += cost[unit % m_blocks]
+        best_end, best = max(snake_end), [_NO_UNIT]
+        for planned_full in range(1, min(_PLANNED_TAIL_ROUNDS, full_rounds) + 1):
+            first = full_rounds - planned_full
+            free = [(load, cta) for cta, load in enumerate(snake_loads(first))]
+            heapq.heapify(free)
+            units = [[] for _ in range(grid)]
+            for unit in sorted(range(first * grid, num_tiles), key=lambda u: -cost[u % m_blocks]):
+                load, cta = heapq.heappop(free)
+                units[cta].append(unit)
+                heapq.heappush(free, (load + cost[unit % m_blocks], cta))
+            end = max(load for load, _ in free)
+            if end < best_end - 1e-6:  # shorter by more than float rounding
+                rows = max(len(u) for u in units) + 1
+                best_end, best = end, [first] + [
+                    units[cta][row] if row < len(units[cta]) else _NO_UNIT
+                    for row in range(rows) for cta in range(grid)
+                ]
+        return best
 
     # ------------------------------------------------------------------ host entry
 
@@ -592,6 +669,10 @@ class FlashAttnFwdSm90:
                 units=storage.sched_units.data_ptr(),
                 counter=mPieceCount.iterator + self.num_sms,
             )
+        walk_plan = None
+        if const_expr(self.planned_tail):
+            # A causal kernel never splits its tail: the walk plan takes the counters' place.
+            walk_plan = SimpleNamespace(first=mPieceCount[0], units=cute.domain_offset((1,), mPieceCount))
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
@@ -610,14 +691,14 @@ class FlashAttnFwdSm90:
             if warp_idx == 0:
                 self.load(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched),
+                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched), walk_plan,
                 )
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
                 pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
-                split, role_namespace(sched),
+                split, role_namespace(sched), walk_plan,
             )
 
     # ------------------------------------------------------------------ tile order
@@ -661,7 +742,7 @@ class FlashAttnFwdSm90:
         return m_block, head, batch
 
     @cute.jit
-    def unit_of_round(self, round_idx: Int32) -> Int32:
+    def unit_of_round(self, round_idx: Int32, walk_plan) -> Int32:
         """This CTA's unit of work in round `round_idx` of a persistent walk (one CTA per tile:
         round 0 only); units are tiles, then the tail split's pieces (unit_work). A round is the
         next grid-size units, so the tiles that run together (and share K/V in L2) stay those of
@@ -674,6 +755,7 @@ class FlashAttnFwdSm90:
         (which cost only their warp groups with rows, pass_blocks) spread over all CTAs
         (measured, session 9: non-causal d64 +4.6 / +4.9 / +1.3% at 512 / 1k / 2k keys, where
         192-row tiles leave every third, sixth or eleventh tile partial; d128 / d256 equal).
+        With planned_tail, rounds from the plan's first on come from `walk_plan` (plan_walk).
         """
         cta, grid = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         lane = cta
@@ -682,7 +764,11 @@ class FlashAttnFwdSm90:
                 lane = grid - 1 - cta
         else:
             lane = (cta + round_idx) % grid
-        return round_idx * grid + lane
+        unit = round_idx * grid + lane
+        if const_expr(self.planned_tail):
+            if round_idx >= walk_plan.first:
+                unit = walk_plan.units[(round_idx - walk_plan.first) * grid + cta]
+        return unit
 
     @cute.jit
     def fetch_unit(self, sched, num_units: Int32) -> Int32:
@@ -761,7 +847,7 @@ class FlashAttnFwdSm90:
     @cute.jit
     def load(
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-        pipeline_q, pipeline_k, pipeline_v, split, sched,
+        pipeline_q, pipeline_k, pipeline_v, split, sched, walk_plan,
     ):
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
@@ -769,13 +855,13 @@ class FlashAttnFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_stages * self.q_pieces)
         num_units = self.num_units(seqlen_q, num_heads, num_batch, split)
         round_idx = Int32(0)
-        unit = self.unit_of_round(round_idx)
+        unit = self.unit_of_round(round_idx, walk_plan)
         sched_state = None
         if const_expr(self.dynamic_schedule):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, _SCHED_STAGES)
             sched_state = self.publish_unit(sched, sched_state, unit)
         while unit < num_units:
-            next_unit = self.unit_of_round(round_idx + 1)
+            next_unit = self.unit_of_round(round_idx + 1, walk_plan)
             n_block_min, n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
                 unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
             )
@@ -887,7 +973,7 @@ class FlashAttnFwdSm90:
     @cute.jit
     def mma(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
-        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched,
+        pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched, walk_plan,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -930,12 +1016,16 @@ class FlashAttnFwdSm90:
         )
         num_units = self.num_units(seqlen_q, num_heads, num_batch, split)
         round_idx = Int32(0)
-        unit = self.unit_of_round(round_idx)
+        unit = self.unit_of_round(round_idx, walk_plan)
         sched_state = None
         if const_expr(self.dynamic_schedule):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _SCHED_STAGES)
             unit, sched_state = self.receive_unit(sched, sched_state)
         while unit < num_units:
+            next_unit = unit
+            if const_expr(self.planned_tail):
+                # Read now: in the planned rounds it comes from global memory.
+                next_unit = self.unit_of_round(round_idx + 1, walk_plan)
             m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
                 unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
             )
@@ -1001,8 +1091,10 @@ class FlashAttnFwdSm90:
             round_idx += 1
             if const_expr(self.dynamic_schedule):
                 unit, sched_state = self.receive_unit(sched, sched_state)
+            elif const_expr(self.planned_tail):
+                unit = next_unit
             else:
-                unit = self.unit_of_round(round_idx)
+                unit = self.unit_of_round(round_idx, walk_plan)
 
     @cute.jit
     def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):

@@ -33,7 +33,7 @@ VARIANTS = [
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=176, num_stages=2)),
     # The short-sequence causal d64 kernel (length_config), and O rescaled early at d192.
     (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
-                                      wg_epilogue=True, q_stages=2)),
+                                      wg_epilogue=True, q_stages=2, planned_tail=True)),
     (cutlass.Float16, 192, False, None),
     # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O;
     # d128 with the DSL's sleeping pipeline waits and, up to 1024 keys, the global tile counter.
@@ -43,15 +43,17 @@ VARIANTS = [
                                        q_by_group=True, rescale_if_moved=True, spin_waits=False,
                                        dynamic_schedule=True)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
+    # Short causal walks take their last rounds from the host's plan (planned_tail).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
-                                       q_stages=2, recompute_epilogue=True)),
+                                       q_stages=2, recompute_epilogue=True, planned_tail=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
     # Short d256 loads Q by warp group into its one Q buffer and stores O from registers
     # (o_from_registers), releasing Q after the mainloop (causal) or its last S GEMM; causal up to
     # 1024 keys on 64-column blocks, up to 2048 on 80.
     (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=64, num_stages=2, lpt="head", wg_epilogue=True,
-                                       q_by_group=True, o_from_registers=True, release_q_early=False)),
+                                       q_by_group=True, o_from_registers=True, release_q_early=False,
+                                       planned_tail=True)),
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
                                       q_by_group=True, o_from_registers=True, release_q_early=False)),
     # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile;
@@ -77,7 +79,7 @@ VARIANTS = [
     # coordinates; causal up to 2048 keys: the short settings' static walk).
     (cutlass.Float16, 96, True, dict(tile_m=192, tile_n=96, num_stages=2, lpt="l2", dynamic_schedule=True,
                                      recompute_epilogue=True)),
-    (cutlass.BFloat16, 96, True, dict(tile_m=192, tile_n=96, num_stages=2, lpt="head")),
+    (cutlass.BFloat16, 96, True, dict(tile_m=192, tile_n=96, num_stages=2, lpt="head", planned_tail=True)),
     # No overlap inside a warp group (one_block_serial, and pass_blocks' serial form): not a
     # dispatched launch, kept to measure the overlap against; compiled here so that it stays sound.
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=3, lpt="l2", intra_wg_overlap=False)),
@@ -92,6 +94,7 @@ VARIANTS = [
     "dtype,head_dim,causal,tiles", VARIANTS,
     ids=[f"{dt.__name__}-d{d}-{'causal' if c else 'full'}" + (f"-{t['tile_m']}x{t['tile_n']}" if t else "")
          + ("-dynamic" if t and t.get("dynamic_schedule") else "")
+         + ("-planned" if t and t.get("planned_tail") else "")
          + ("-serial" if t and t.get("intra_wg_overlap") is False else "")
          for dt, d, c, t in VARIANTS],
 )
@@ -178,3 +181,51 @@ def test_tail_split_plan():
         split_tiles, splits = plan(tiles, 64, 132)
         assert split_tiles * splits <= 132 and split_tiles <= tiles
         assert (split_tiles, splits) == (0, 1) or (split_tiles == tiles % 132 and 2 <= splits <= 4)
+
+
+@pytest.mark.parametrize("seqlen_q,seqlen_k,heads_batch,tile_m,tile_n,planned", [
+    (512, 512, 512, 128, 128, True),     # causal d128 at 512 keys, 16k tokens: 2048 tiles
+    (1024, 1024, 512, 128, 128, True),   # causal d64 at 1k keys
+    (2048, 2048, 64, 128, 80, True),     # causal d256 at 2k keys
+    (1000, 1000, 48, 128, 128, True),    # the GPU test's short shape (tests/gpu/test_forward.py)
+    (1800, 2000, 32, 192, 96, True),     # and its short_2k one for d96 (192-row tiles)
+    (512, 512, 64, 128, 64, False),      # causal d256 at 512 keys: the snake ends as soon
+    (113, 203, 5, 128, 128, False),      # fewer tiles than SMs
+])
+def test_walk_plan(seqlen_q, seqlen_k, heads_batch, tile_m, tile_n, planned):
+    """The planned tail (plan_walk) and the snake before it run every tile once, each CTA's planned
+    units come first in its column, and the modeled work of the busiest CTA drops."""
+    from cute_flash.kernels.common.blocks import BlockRanges
+    from cute_flash.kernels.sm90 import fwd
+
+    plan = FlashAttnFwdSm90.plan_walk(seqlen_q, seqlen_k, heads_batch, tile_m, tile_n, 132)
+    assert (plan != [fwd._NO_UNIT]) == planned
+    m_blocks = -(-seqlen_q // tile_m)
+    num_tiles = m_blocks * heads_batch
+    grid = min(num_tiles, 132)
+    first = plan[0] if planned else -(-num_tiles // grid)  # unplanned: the snake to the end
+    units = plan[1:]
+    assert len(units) % grid == 0 and set(units[-grid:]) <= {fwd._NO_UNIT}
+    assert first * grid <= num_tiles or not planned
+    ranges = BlockRanges(tile_m, tile_n, True)
+
+    def cost(unit):
+        return fwd._TILE_COST_BLOCKS + ranges.n_block_end((m_blocks - unit % m_blocks) * tile_m, seqlen_q, seqlen_k)
+
+    walked, snake_end, planned_end = [], [0.0] * grid, [0.0] * grid
+    for unit in range(num_tiles):
+        round_idx, lane = divmod(unit, grid)
+        cta = grid - 1 - lane if round_idx % 2 else lane
+        snake_end[cta] += cost(unit)
+        if round_idx < first:
+            walked.append(unit)
+            planned_end[cta] += cost(unit)
+    for cta in range(grid):
+        column = units[cta::grid]
+        ran = column[:column.index(fwd._NO_UNIT)] if planned else []
+        assert set(column[len(ran):]) <= {fwd._NO_UNIT}
+        walked += ran
+        planned_end[cta] += sum(cost(unit) for unit in ran)
+    assert sorted(walked) == list(range(num_tiles))
+    if planned:
+        assert max(planned_end) < max(snake_end)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from cute_flash import UnsupportedDtypeError, dispatch
+from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
 
 
 @pytest.mark.parametrize("capability, target", [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a"), ((10, 0), "sm_100a")])
@@ -95,6 +96,15 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert plan["tile_m"] == tile_m and plan["num_sms"] == 132
         assert plan.get("dynamic_schedule", False) == (length in ("mid", "long"))
         assert plan.get("q_stages", 1) == (2 if length.startswith("short") else 1)
+    # Short and short_2k causal walks (per head, static) take their last rounds from a host plan.
+    for head_dim in (64, 96, 128, 192, 256):
+        for length in dispatch.length_classes(True):
+            plan = dict(dispatch.plan_forward((9, 0), torch.float16, head_dim, True, length=length,
+                                              num_sms=132).init_kwargs)
+            assert plan.get("planned_tail", False) == length.startswith("short") == (plan["lpt"] == "head")
+            assert FlashAttnFwdSm90(**plan).planned_tail == length.startswith("short")
+        full = dict(dispatch.plan_forward((9, 0), torch.float16, head_dim, False, length="short", num_sms=132).init_kwargs)
+        assert not FlashAttnFwdSm90(**full).planned_tail
     # Causal d96 on 192 x 96 tiles from 1025 keys on; causal d256 on 64-column blocks up to 1024 keys.
     for length, d96_tiles, d256_tile_n in (("short", (128, 128), 64), ("short_2k", (192, 96), 80), ("mid", (192, 96), 80)):
         d96, d256 = (dict(dispatch.plan_forward((9, 0), torch.float16, d, True, length=length, num_sms=132).init_kwargs)

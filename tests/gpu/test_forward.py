@@ -161,6 +161,27 @@ def test_short_dynamic_schedule(family, head_dim, dtype):
         assert int(counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,seqlens", [(64, (1000, 1000)), (96, (1000, 1000)), (128, (1000, 1000)),
+                                              (192, (1000, 1000)), (256, (1000, 1000)), (96, (1800, 2000)),
+                                              (256, (1800, 2000))], ids=str)
+def test_planned_tail(family, head_dim, seqlens, dtype):
+    """Short causal walks end on the host's plan (kernels/sm90/fwd.py: plan_walk): shapes whose plan
+    is not empty (checked on the sm90 kernel's tiles), GQA 4, a partial last tile, twice in a row."""
+    from cute_flash.kernels.sm90 import fwd
+
+    torch.manual_seed(head_dim + seqlens[0])
+    batch, nheads = (3, 16) if seqlens[0] == 1000 else (2, 16)
+    length = dispatch.length_class(seqlens[1], True)
+    assert length in ("short", "short_2k")
+    if family == "native" and torch.cuda.get_device_capability()[0] == 9:
+        config = dict(dispatch.plan_forward(torch.cuda.get_device_capability(), dtype, head_dim, True, length).init_kwargs)
+        assert fwd.FlashAttnFwdSm90(**config).planned_tail
+        plan = fwd.FlashAttnFwdSm90.plan_walk(*seqlens, batch * nheads, config["tile_m"], config["tile_n"], config["num_sms"])
+        assert plan[0] != fwd._NO_UNIT
+    check_shape(batch, seqlens, nheads, 4, head_dim, True, dtype=dtype, calls=2)
+
+
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
 def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     """The long causal tile order (kernels/sm90/fwd.py: tile_coord, "l2") in its two rarer shapes:
