@@ -189,7 +189,7 @@ def test_tail_split_plan():
     (2048, 2048, 64, 128, 80, True),     # causal d256 at 2k keys
     (1000, 1000, 48, 128, 128, True),    # the GPU test's short shape (tests/gpu/test_forward.py)
     (1800, 2000, 32, 192, 96, True),     # and its short_2k one for d96 (192-row tiles)
-    (512, 512, 64, 128, 64, False),      # causal d256 at 512 keys: the snake ends as soon
+    (512, 512, 64, 128, 64, False),      # causal d256 at 512 keys: no plan ends before the snake
     (113, 203, 5, 128, 128, False),      # fewer tiles than SMs
 ])
 def test_walk_plan(seqlen_q, seqlen_k, heads_batch, tile_m, tile_n, planned):
