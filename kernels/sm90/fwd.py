@@ -106,6 +106,7 @@ class FlashAttnFwdSm90:
         o_from_registers: bool = False,
         release_q_early: bool = True,
         planned_tail: bool = False,
+        wg_tma_store: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -185,6 +186,10 @@ class FlashAttnFwdSm90:
         # this one's epilogue runs. Where O has its own buffer, its smem path is faster: skipping
         # it lost 1-6% at short d64 / d128 and long non-causal d128 (session 10, run 4).
         self.o_from_registers = o_from_registers and not self.separate_o
+        # With wg_epilogue, each group's rows of O go out by TMA (one 64-row box per group), which
+        # must have read sO only by the group's next epilogue, instead of by 128 threads' 16-byte
+        # stores.
+        self.wg_tma_store = wg_tma_store and wg_epilogue and not self.o_from_registers
         # ... and released after the tile's last S GEMM instead of after its mainloop, so that
         # the load overlaps the last PV GEMM too. Measured (interleaved, short d256): non-causal
         # +0.3-0.8% over the late release, causal -4.3% at 512 (length_config).
@@ -338,6 +343,13 @@ class FlashAttnFwdSm90:
           2k; d128 +0.6 / +0.7% at 512, +0.5 to +1.6% at 1k, +0.7 / +1.0% at 2k; d256 +0.0 to
           +0.6% at 1k and 2k, no plan at 512 (session 22, runs 1-2, bf16 and fp16, one call after
           an L2 flush).
+        * Short and short_2k d128, and non-causal d64, store each warp group's rows of O by TMA
+          (wg_tma_store; session 23, runs 3-4, bf16 / fp16, one call after an L2 flush):
+          non-causal d128 +1.8 to +2.4% at 512, +0.7 / +1.9% at 1k, -0.3 / +0.7% at 2k; causal d128
+          +0.0 to +0.5% at 512, +2.2 to +2.5% at 1k, +1.8% at 2k; non-causal d64 +1.1 / +1.2% at
+          512, +0.5 / +0.6% at 1k-2k. Short causal d64 lost 1.2-1.9% at 512-2k; mid and long causal
+          (d64, d128, d256) moved -1.2 to +2.6% with no sign common to both dtypes: those keep
+          the 16-byte stores.
         * o_from_registers (see __init__; session 10, runs 1-3 of its variant log): short d256
           causal +2.8-3.0 / +1.1-1.2 / +0.6-0.8% at 512 / 1k / 2k with Q released after the
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
@@ -367,6 +379,8 @@ class FlashAttnFwdSm90:
         late_rescale = length == "short_2k" and not causal
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
+            if short and head_dim <= 128 and not (causal and head_dim <= 64):
+                config["wg_tma_store"] = True
         if causal and short:
             config.update(lpt="head", planned_tail=True)
         elif causal:
@@ -567,8 +581,13 @@ class FlashAttnFwdSm90:
             cpasync.CopyBulkTensorTileG2SOp(), mVt, cute.slice_(sVt_layout, (None, None, 0)),
             (self.head_dim, self.tile_n),
         )
+        # O's box: a whole tile, or one warp group's 64 rows (wg_tma_store).
+        o_box_rows = 64 if const_expr(self.wg_tma_store) else self.tile_m
+        sO_box_layout = cute.composition(
+            sQ_stage_layout, cute.make_layout((o_box_rows, self.head_dim), stride=(1, self.tile_m))
+        )
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mO, sQ_stage_layout, (self.tile_m, self.head_dim)
+            cpasync.CopyBulkTensorTileS2GOp(), mO, sO_box_layout, (o_box_rows, self.head_dim)
         )
         # Not size_in_bytes: that counts the layout's cosize, and a piece's rows are strided.
         self.tx_bytes_Q = cute.size(sQ_piece_layout) * self.dtype.width // 8
@@ -1095,6 +1114,10 @@ class FlashAttnFwdSm90:
                 unit = next_unit
             else:
                 unit = self.unit_of_round(round_idx, walk_plan)
+        if const_expr(self.wg_tma_store):
+            # sO must outlive the last store's read.
+            if tidx % 128 < 32:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):
@@ -1410,7 +1433,31 @@ class FlashAttnFwdSm90:
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         thr_copy_O = smem_copy_O.get_slice(tidx)
-        if const_expr(self.wg_epilogue):
+        if const_expr(self.wg_tma_store):
+            # As below, but TMA stores the group's rows (clipped at seqlen_q by the tensor's
+            # bounds); its first warp issues the store, and waits for TMA to have read the rows
+            # only before the group writes them again (or before Q's buffer is released).
+            issuing_warp = tidx % 128 < 32
+            if issuing_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            group_barrier = partial(
+                cute.arch.barrier, barrier_id=_EPILOGUE_BARRIER + wg_idx, number_of_threads=128
+            )
+            group_barrier()
+            cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+            cute.arch.fence_proxy("async.shared", space="cta")
+            group_barrier()
+            if issuing_warp:
+                gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim), (None, 0))
+                tOsO, tOgO = cpasync.tma_partition(
+                    tma_atom_O, 0, cute.make_layout(1),
+                    cute.group_modes(cute.flat_divide(sO, (64, self.head_dim)), 0, 2), cute.group_modes(gO, 0, 2),
+                )
+                cute.copy(tma_atom_O, tOsO[None, wg_idx, 0], tOgO[None, m_block * self.num_wg_mma + wg_idx])
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(not self.separate_o):
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        elif const_expr(self.wg_epilogue):
             # Each warp group stages its own rows of O in sO (its rows of Q's buffer when O has
             # none: its own S GEMMs, the only readers of those rows, are done) and stores them with
             # 16-byte vector stores, clipped at seqlen_q. The first barrier keeps a fast thread

@@ -35,17 +35,18 @@ VARIANTS = [
     (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True, q_stages=2, planned_tail=True)),
     (cutlass.Float16, 192, False, None),
-    # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O;
-    # d128 with the DSL's sleeping pipeline waits and, up to 1024 keys, the global tile counter.
+    # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O
+    # by TMA; d128 with the DSL's sleeping pipeline waits and, up to 1024 keys, the global tile
+    # counter.
     (cutlass.BFloat16, 64, False, dict(tile_m=192, tile_n=128, num_stages=2, prefetch_next=True,
-                                       wg_epilogue=True, q_stages=2)),
-    (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, q_stages=2,
-                                       q_by_group=True, rescale_if_moved=True, spin_waits=False,
+                                       wg_epilogue=True, wg_tma_store=True, q_stages=2)),
+    (cutlass.Float16, 128, False, dict(tile_m=128, tile_n=128, num_stages=2, wg_epilogue=True, wg_tma_store=True,
+                                       q_stages=2, q_by_group=True, rescale_if_moved=True, spin_waits=False,
                                        dynamic_schedule=True)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
     # Short causal walks take their last rounds from the host's plan (planned_tail).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
-                                       q_stages=2, recompute_epilogue=True, planned_tail=True)),
+                                       wg_tma_store=True, q_stages=2, recompute_epilogue=True, planned_tail=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
     # Short d256 loads Q by warp group into its one Q buffer and stores O from registers
@@ -95,6 +96,7 @@ VARIANTS = [
     ids=[f"{dt.__name__}-d{d}-{'causal' if c else 'full'}" + (f"-{t['tile_m']}x{t['tile_n']}" if t else "")
          + ("-dynamic" if t and t.get("dynamic_schedule") else "")
          + ("-planned" if t and t.get("planned_tail") else "")
+         + ("-wgtma" if t and t.get("wg_tma_store") else "")
          + ("-serial" if t and t.get("intra_wg_overlap") is False else "")
          for dt, d, c, t in VARIANTS],
 )
@@ -122,13 +124,15 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     # The DSL's size_in_bytes would count the cosize of a piece's strided rows.
     q_rows = 64 if kernel.q_by_group else kernel.tile_m
     assert q_rows * head_dim * dtype.width // 8 in expect_tx_bytes(report.ptx)
-    # O goes out from smem (stmatrix, then a TMA store or 16-byte stores per warp group), or
-    # straight from registers in 16-byte stores (o_from_registers: no stmatrix at all).
+    # O goes out from smem (stmatrix, then a TMA store per tile or per warp group, or 16-byte
+    # stores per warp group), or straight from registers in 16-byte stores (o_from_registers: no
+    # stmatrix at all).
     from_registers = bool(tiles.get("o_from_registers"))
     assert ("stmatrix" in report.ptx) == (not from_registers)
-    assert ("cp.async.bulk.tensor.4d.global.shared" in report.ptx) == (not (from_registers or tiles.get("wg_epilogue")))
-    if from_registers or tiles.get("wg_epilogue"):
-        assert "st.global.v4.b32" in report.ptx
+    by_tma = not from_registers and (not tiles.get("wg_epilogue") or bool(tiles.get("wg_tma_store")))
+    assert kernel.wg_tma_store == (by_tma and bool(tiles.get("wg_epilogue")))
+    assert ("cp.async.bulk.tensor.4d.global.shared" in report.ptx) == by_tma
+    assert ("st.global.v4.b32" in report.ptx) == (not by_tma)
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
     advisories = re.findall(r"\((C751[257])\)", logs[0])

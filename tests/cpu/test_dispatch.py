@@ -105,6 +105,14 @@ def test_length_buckets_reach_the_sm90_launch_settings():
             assert FlashAttnFwdSm90(**plan).planned_tail == length.startswith("short")
         full = dict(dispatch.plan_forward((9, 0), torch.float16, head_dim, False, length="short", num_sms=132).init_kwargs)
         assert not FlashAttnFwdSm90(**full).planned_tail
+    # Each warp group's rows of O go out by TMA at short and short_2k d128, and non-causal d64.
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            for length in dispatch.length_classes(causal):
+                plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, head_dim, causal, length=length,
+                                                  num_sms=132).init_kwargs)
+                expected = length.startswith("short") and (head_dim == 128 or (head_dim == 64 and not causal))
+                assert FlashAttnFwdSm90(**plan).wg_tma_store == expected, (head_dim, causal, length)
     # Causal d96 on 192 x 96 tiles from 1025 keys on; causal d256 on 64-column blocks up to 1024 keys.
     for length, d96_tiles, d256_tile_n in (("short", (128, 128), 64), ("short_2k", (192, 96), 80), ("mid", (192, 96), 80)):
         d96, d256 = (dict(dispatch.plan_forward((9, 0), torch.float16, d, True, length=length, num_sms=132).init_kwargs)

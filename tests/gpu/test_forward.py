@@ -182,6 +182,33 @@ def test_planned_tail(family, head_dim, seqlens, dtype):
     check_shape(batch, seqlens, nheads, 4, head_dim, True, dtype=dtype, calls=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("head_dim,causal,seqlens", [(128, False, (1000, 1024)), (128, True, (1000, 1000)),
+                                                     (128, True, (1900, 2000)), (64, False, (1000, 1024))], ids=str)
+def test_wg_tma_store(family, head_dim, causal, seqlens, dtype):
+    """Short d128 and non-causal d64 store each warp group's rows of O by TMA (kernels/sm90/fwd.py:
+    epilogue, wg_tma_store): many tiles per CTA, a last tile with a partial and (d64, 192 rows) an
+    empty warp group, GQA, into a strided `out` whose rows past seqlen_q (64 guard rows per head)
+    must stay untouched, twice in a row."""
+    from cute_flash.kernels.sm90 import fwd
+
+    length = dispatch.length_class(seqlens[1], causal)
+    if family == "native" and torch.cuda.get_device_capability()[0] == 9:
+        config = dict(dispatch.plan_forward(torch.cuda.get_device_capability(), dtype, head_dim, causal, length).init_kwargs)
+        assert fwd.FlashAttnFwdSm90(**config).wg_tma_store
+    torch.manual_seed(head_dim + seqlens[0] + causal)
+    batch, (sq, sk), nheads, guard = 3, seqlens, 16, 64
+    q = randn(batch, sq, nheads, head_dim, dtype=dtype)
+    k, v = (randn(batch, sk, 4, head_dim, dtype=dtype) for _ in range(2))
+    for _ in range(2):
+        padded = torch.full((batch, nheads, sq + guard, head_dim), float("nan"), device="cuda", dtype=dtype)
+        out = padded[:, :, :sq].transpose(1, 2)
+        lse = torch.full((batch, nheads, sq), float("nan"), device="cuda")
+        assert cute_flash.forward(q, k, v, out=out, lse=lse, causal=causal)[0] is out
+        assert_forward_close(out, lse, q, k, v, causal)
+        assert torch.isnan(padded[:, :, sq:]).all()
+
+
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
 def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
     """The long causal tile order (kernels/sm90/fwd.py: tile_coord, "l2") in its two rarer shapes:
