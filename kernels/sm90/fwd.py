@@ -348,8 +348,8 @@ class FlashAttnFwdSm90:
           non-causal d128 +1.8 to +2.4% at 512, +0.7 / +1.9% at 1k, -0.3 / +0.7% at 2k; causal d128
           +0.0 to +0.5% at 512, +2.2 to +2.5% at 1k, +1.8% at 2k; non-causal d64 +1.1 / +1.2% at
           512, +0.5 / +0.6% at 1k-2k. Short causal d64 lost 1.2-1.9% at 512-2k; mid and long causal
-          (d64, d128, d256) moved -1.2 to +2.6% with no sign common to both dtypes: those keep
-          the 16-byte stores.
+          moved -1.2 to +2.6% (d128 4k -0.3 / -1.2%, d64 4k +1.6 / +0.8%, d128 and d256 8k +1.0 /
+          -1.1% and +2.6 / +0.1%), not past the spread of one run: they keep the 16-byte stores.
         * o_from_registers (see __init__; session 10, runs 1-3 of its variant log): short d256
           causal +2.8-3.0 / +1.1-1.2 / +0.6-0.8% at 512 / 1k / 2k with Q released after the
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
