@@ -566,10 +566,12 @@ class FlashAttnFwdSm90:
         )
 
         # TMA descriptors are built here, from the dynamic-layout tensors of this call.
-        # The first piece's rows within Q's (tile_m, head_dim) layout.
-        sQ_piece_layout = cute.composition(
-            sQ_stage_layout, cute.make_layout((self.q_piece_rows, self.head_dim), stride=(1, self.tile_m))
-        )
+        # The first `rows` rows within Q's (tile_m, head_dim) smem layout: the box of a piece of Q
+        # (q_by_group) and of one warp group's O (wg_tma_store).
+        def first_rows(rows):
+            return cute.composition(sQ_stage_layout, cute.make_layout((rows, self.head_dim), stride=(1, self.tile_m)))
+
+        sQ_piece_layout = first_rows(self.q_piece_rows)
         tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_piece_layout, (self.q_piece_rows, self.head_dim)
         )
@@ -582,10 +584,9 @@ class FlashAttnFwdSm90:
             (self.head_dim, self.tile_n),
         )
         # O's box: a whole tile, or one warp group's 64 rows (wg_tma_store).
-        o_box_rows = 64 if const_expr(self.wg_tma_store) else self.tile_m
-        sO_box_layout = cute.composition(
-            sQ_stage_layout, cute.make_layout((o_box_rows, self.head_dim), stride=(1, self.tile_m))
-        )
+        sO_box_layout, o_box_rows = sQ_stage_layout, self.tile_m
+        if const_expr(self.wg_tma_store):
+            sO_box_layout, o_box_rows = first_rows(64), 64
         tma_atom_O, tma_O = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mO, sO_box_layout, (o_box_rows, self.head_dim)
         )
@@ -1433,48 +1434,43 @@ class FlashAttnFwdSm90:
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         rO.store(acc_O.load().to(self.dtype))
         thr_copy_O = smem_copy_O.get_slice(tidx)
-        if const_expr(self.wg_tma_store):
-            # As below, but TMA stores the group's rows (clipped at seqlen_q by the tensor's
-            # bounds); its first warp issues the store, and waits for TMA to have read the rows
-            # only before the group writes them again (or before Q's buffer is released).
-            issuing_warp = tidx % 128 < 32
-            if issuing_warp:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            group_barrier = partial(
-                cute.arch.barrier, barrier_id=_EPILOGUE_BARRIER + wg_idx, number_of_threads=128
-            )
-            group_barrier()
-            cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
-            cute.arch.fence_proxy("async.shared", space="cta")
-            group_barrier()
-            if issuing_warp:
-                gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim), (None, 0))
-                tOsO, tOgO = cpasync.tma_partition(
-                    tma_atom_O, 0, cute.make_layout(1),
-                    cute.group_modes(cute.flat_divide(sO, (64, self.head_dim)), 0, 2), cute.group_modes(gO, 0, 2),
-                )
-                cute.copy(tma_atom_O, tOsO[None, wg_idx, 0], tOgO[None, m_block * self.num_wg_mma + wg_idx])
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(not self.separate_o):
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-        elif const_expr(self.wg_epilogue):
+        if const_expr(self.wg_epilogue):
             # Each warp group stages its own rows of O in sO (its rows of Q's buffer when O has
-            # none: its own S GEMMs, the only readers of those rows, are done) and stores them with
-            # 16-byte vector stores, clipped at seqlen_q. The first barrier keeps a fast thread
-            # from overwriting rows that a slow one is still reading for the previous tile.
+            # none: its own S GEMMs, the only readers of those rows, are done) and stores them,
+            # clipped at seqlen_q: with 16-byte vector stores, or (wg_tma_store) with one TMA box
+            # that the group's first warp issues, waiting for TMA to have read the rows only before
+            # the group writes them again (or, through Q's buffer, before Q is released). The first
+            # barrier keeps a fast thread from overwriting rows that a slow one (or TMA) is still
+            # reading for the previous tile.
+            if const_expr(self.wg_tma_store):
+                if tidx % 128 < 32:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             group_barrier = partial(
                 cute.arch.barrier, barrier_id=_EPILOGUE_BARRIER + wg_idx, number_of_threads=128
             )
             group_barrier()
             cute.copy(smem_copy_O, thr_copy_O.retile(rO), thr_copy_O.partition_D(sO))
+            if const_expr(self.wg_tma_store):
+                cute.arch.fence_proxy("async.shared", space="cta")
             group_barrier()
-            sO_rows = cute.local_tile(sO, (64, self.head_dim), (wg_idx, 0))
-            gO_rows = cute.local_tile(
-                mO_gmem[None, None, head, batch], (64, self.head_dim),
-                (m_block * self.num_wg_mma + wg_idx, 0),
-            )
-            store_tile_rows(gmem_copy_O, tidx % 128, sO_rows, gO_rows,
-                            seqlen_q - m_block * self.tile_m - wg_idx * 64)
+            if const_expr(self.wg_tma_store):
+                if tidx % 128 < 32:
+                    gO = cute.local_tile(mO[None, None, head, batch], (64, self.head_dim), (None, 0))
+                    tOsO, tOgO = cpasync.tma_partition(
+                        tma_atom_O, 0, cute.make_layout(1),
+                        cute.group_modes(cute.flat_divide(sO, (64, self.head_dim)), 0, 2), cute.group_modes(gO, 0, 2),
+                    )
+                    cute.copy(tma_atom_O, tOsO[None, wg_idx, 0], tOgO[None, m_block * self.num_wg_mma + wg_idx])
+                    cute.arch.cp_async_bulk_commit_group()
+                    if const_expr(not self.separate_o):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+            else:
+                sO_rows = cute.local_tile(sO, (64, self.head_dim), (wg_idx, 0))
+                gO_rows = cute.local_tile(
+                    mO_gmem[None, None, head, batch], (64, self.head_dim), (m_block * self.num_wg_mma + wg_idx, 0)
+                )
+                store_tile_rows(gmem_copy_O, tidx % 128, sO_rows, gO_rows,
+                                seqlen_q - m_block * self.tile_m - wg_idx * 64)
         else:
             # O: registers -> smem -> one TMA store, clipped at seqlen_q. sO is its own buffer or
             # Q's (each warp group overwrites only its own rows, which its last S GEMM has finished
