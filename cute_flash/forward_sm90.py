@@ -55,9 +55,9 @@ def launcher(compiled, config: dict) -> Callable:
     arguments `config`: plans the tail split of this call and passes its workspace."""
     tile_m, tile_n, head_dim = config["tile_m"], config["tile_n"], config["head_dim"]
     num_sms = config.get("num_sms", 0)
-    splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, config["causal"])
-    counts_units = FlashAttnFwdSm90.dynamic_schedule_enabled(num_sms, config.get("dynamic_schedule", False))
-    plans_tail = FlashAttnFwdSm90(**config).planned_tail
+    # What the kernel takes in its workspace slots, as its own __init__ decides it.
+    kernel = FlashAttnFwdSm90(**config)
+    splits_tail, counts_units, plans_tail = kernel.splits_tail, kernel.dynamic_schedule, kernel.planned_tail
 
     def launch(q, k, v, out, lse, softmax_scale):
         split_tiles, splits = 0, 1
