@@ -28,6 +28,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tarfile
 from importlib import metadata
 from pathlib import Path
 
@@ -255,23 +256,40 @@ def write(doc: dict, out_dir: Path, path: Path | None = None) -> Path:
     return path
 
 
+def _parse(name: str, raw: bytes) -> dict:
+    text = gzip.decompress(raw).decode() if name.endswith(".gz") else raw.decode()
+    doc = json.loads(text)
+    validate(doc)
+    doc["_path"] = name
+    return doc
+
+
 def load(path: Path) -> dict:
     """A result file, plain (`.json`) or gzip-compressed (`.json.gz`, how older runs are kept in
     the repository: the GPU machine receives the whole tree and its size is capped)."""
     path = Path(path)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    doc = json.loads(text)
-    validate(doc)
-    doc["_path"] = str(path)
-    return doc
+    return _parse(str(path), path.read_bytes())
 
 
 def load_dir(directory: Path) -> tuple[list[dict], list[str]]:
-    """All readable result files in `directory`, and a note for each file that was skipped."""
+    """All readable result files in `directory`, and in its archives (`*.tar.xz`: superseded
+    runs, packed together because one xz stream over similar files is half the size of their
+    separate gzip files), and a note for each file that was skipped."""
     docs, skipped = [], []
-    for path in sorted([*Path(directory).glob("*.json"), *Path(directory).glob("*.json.gz")]):
+
+    def add(name: str, label: str, read) -> None:
         try:
-            docs.append(load(path))
-        except (ValueError, KeyError, json.JSONDecodeError) as exc:
-            skipped.append(f"{path.name}: {exc}")
+            docs.append(_parse(name, read()))
+        except (ValueError, KeyError, json.JSONDecodeError, OSError, EOFError) as exc:
+            skipped.append(f"{label}: {exc}")
+
+    directory = Path(directory)
+    for path in sorted([*directory.glob("*.json"), *directory.glob("*.json.gz")]):
+        add(str(path), path.name, path.read_bytes)
+    for archive in sorted(directory.glob("*.tar.xz")):
+        with tarfile.open(archive, "r:xz") as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.endswith((".json", ".json.gz")):
+                    name = f"{archive.name}/{member.name}"
+                    add(str(directory / name), name, tar.extractfile(member).read)
     return docs, skipped

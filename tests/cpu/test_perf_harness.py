@@ -5,6 +5,7 @@ exercise the bookkeeping, and documents written here live in tmp_path.
 """
 
 import io
+from pathlib import Path
 import json
 import time
 
@@ -381,6 +382,31 @@ def test_compressed_result_files_load_like_plain_ones(tmp_path):
     docs, skipped = results.load_dir(tmp_path)
     assert skipped == [] and len(docs) == 1 and docs[0]["_path"] == str(packed)
     assert docs[0]["measurements"] == fake_doc()["measurements"]
+
+
+def test_result_files_in_an_archive_load_beside_loose_ones(tmp_path):
+    import gzip
+    import tarfile
+
+    loose = results.write(fake_doc(), tmp_path)
+    packed_dir = tmp_path / "packed"
+    packed_dir.mkdir()
+    first = results.write(fake_doc(), packed_dir)
+    second = first.with_name("second.json.gz")
+    second.write_bytes(gzip.compress(first.read_bytes()))
+    (packed_dir / "notes.txt").write_text("not a result")
+    (packed_dir / "broken.json").write_text("{}")
+    with tarfile.open(tmp_path / "archive-old.tar.xz", "w:xz") as tar:
+        for path in sorted(packed_dir.iterdir()):
+            tar.add(path, arcname=path.name)
+    for path in packed_dir.iterdir():
+        path.unlink()
+    packed_dir.rmdir()
+    docs, skipped = results.load_dir(tmp_path)
+    assert [Path(d["_path"]).name for d in docs] == [loose.name, "second.json.gz", first.name]
+    assert docs[2]["_path"] == str(tmp_path / "archive-old.tar.xz" / first.name)
+    assert all(d["measurements"] == fake_doc()["measurements"] for d in docs)
+    assert skipped and skipped[0].startswith("archive-old.tar.xz/broken.json")
 
 
 def test_schema_rejects_incomplete_documents(tmp_path):
