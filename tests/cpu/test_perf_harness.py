@@ -150,6 +150,26 @@ def test_interleaved_methods_take_turns_in_a_fresh_order_each_round():
     assert set(firsts) == {"a", "b"}  # neither method always goes first
 
 
+def test_methods_with_different_call_counts_share_every_round():
+    calls = []
+
+    class RoundClock(harness.WallClock):
+        def hold(self, seconds):
+            calls.append("|")
+
+    times = harness.measure_times_interleaved(
+        {"a": lambda i: calls.append("a"), "b": lambda i: calls.append("b")}, 1, RoundClock(),
+        min_reps=10, max_reps=10, min_rounds=4, seed=1)
+    assert times["a"]["reps"] == times["b"]["reps"] == 10
+    # Rounds of 2 or 3 calls per method (10 over 4 rounds), each method in every round.
+    assert all(m is not None for stats in times.values() for m in stats["round_medians"])
+    bursts = "".join(calls).split("|")[1:]
+    assert sorted(len(b) for b in bursts) == [2, 2, 2, 2, 3, 3, 3, 3]
+    assert [harness._calls_in_round(64, 10, r) for r in range(10)] == [6, 6, 7, 6, 7, 6, 6, 7, 6, 7]
+    assert sum(harness._calls_in_round(63, 10, r) for r in range(10)) == 63
+    assert [harness._calls_in_round(3, 5, r) for r in range(5)] == [0, 1, 0, 1, 1]
+
+
 def test_every_method_waits_behind_the_same_sleep_each_round():
     # The sleep that hides launches must not depend on whose calls follow it: a method with slow
     # host code would otherwise rest longer before each of its bursts.
