@@ -101,17 +101,23 @@ def _forward_classes(family: str):
 
 
 # Length classes, the only way lengths reach a compile key: kernels may pick other launch settings
-# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_SEQLEN_K keys are "short";
+# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_512_SEQLEN_K keys are
+# "short_512", which keep the short settings but for d256's non-causal blocks (a class where most
+# head dims compile the same kernel as "short", so LENGTH_CLASSES lists it after "short", the first
+# class that names a kernel); problems with at most SHORT_SEQLEN_K keys are "short";
 # "short_2k" are those up to SHORT_2K_SEQLEN_K keys, which keep the short settings but for a few a
 # kernel changes there (d96's tiles, d128's non-causal O rescale, d256's causal blocks: perf/NOTES.md);
 # "mid" are causal ones up to MID_SEQLEN_K_CAUSAL keys, where the persistent causal kernel still gains
 # 2-9% but wants other tiles and its dynamic schedule; the rest are "long".
+SHORT_512_SEQLEN_K = 512
 SHORT_SEQLEN_K = 1024
 SHORT_2K_SEQLEN_K = 2048
 MID_SEQLEN_K_CAUSAL = 4096
 
 
 def length_class(seqlen_k: int, causal: bool) -> str:
+    if seqlen_k <= SHORT_512_SEQLEN_K:
+        return "short_512"
     if seqlen_k <= SHORT_SEQLEN_K:
         return "short"
     if seqlen_k <= SHORT_2K_SEQLEN_K:
@@ -119,7 +125,7 @@ def length_class(seqlen_k: int, causal: bool) -> str:
     return "mid" if causal and seqlen_k <= MID_SEQLEN_K_CAUSAL else "long"
 
 
-LENGTH_CLASSES = ("short", "short_2k", "mid", "long")
+LENGTH_CLASSES = ("short", "short_512", "short_2k", "mid", "long")
 
 
 def length_classes(causal: bool) -> tuple[str, ...]:

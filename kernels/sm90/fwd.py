@@ -275,8 +275,8 @@ class FlashAttnFwdSm90:
 
     @staticmethod
     def length_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
-        """Init arguments for a length class (dispatch.length_class: "short" up to 1024 keys,
-        "short_2k" up to 2048, "mid" causal up to 4096, "long").
+        """Init arguments for a length class (dispatch.length_class: "short_512" up to 512 keys,
+        "short" up to 1024, "short_2k" up to 2048, "mid" causal up to 4096, "long").
 
         Measured on the H100 (bf16, perf/NOTES.md, docs/kernels/sm90-forward.md):
         * Short (and short_2k, on its settings) and mid: persistent CTAs are 5-24% faster at seqlen
@@ -310,6 +310,13 @@ class FlashAttnFwdSm90:
           Short causal d256 runs 64-column blocks, which waste less of the diagonal block: +1.6 /
           +2.1% at 512 and +1.6 / +1.7% at 1k (bf16 / fp16, session 20, run 2; +0.8-1.9% at 512 in
           sessions 6-7), but -0.1 to -0.5% at 2k, which keeps 80.
+        * Short_512 (up to 512 keys): non-causal d256 runs 64-column blocks too, since 512 keys are
+          6.4 blocks of 80 (a seventh, mostly masked, block per tile): +2.0 to +2.2% at 512 (bf16 /
+          fp16, with and without an L2 flush, session 24, run 3), while at 1k 80 is 2.3-2.7% faster
+          (13 blocks against 16) and at 256 / 384 keys the two are within -1.3 to +1.1%.
+        * Short d192 runs 64-column blocks instead of 112: non-causal +4.5 to +5.8% at 512, causal
+          +6.5 to +7.5% at 512 and +13 to +16% at 1k (bf16 / fp16, with and without an L2 flush,
+          session 24, run 4).
         * Short non-causal d128 (up to 1024 keys) keeps the DSL's sleeping pipeline waits
           (spin_waits off): +0.3 to +1.0% at 512 and 0 to +0.5% at 1k in five interleaved runs
           (bf16 and fp16, sessions 12-13); short_2k keeps the spinning waits.
@@ -355,6 +362,10 @@ class FlashAttnFwdSm90:
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
           GEMM (release_q_early); within +-0.6% at mid and long d256, which keep the smem path.
         """
+        # short_512 takes the short settings, but for d256's non-causal blocks.
+        up_to_512 = length == "short_512"
+        if up_to_512:
+            length = "short"
         three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and length != "short" else {}
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
@@ -399,8 +410,10 @@ class FlashAttnFwdSm90:
                 config["recompute_epilogue"] = True
             if short:
                 config.update(o_from_registers=True, release_q_early=not causal)
-            if causal and up_to_1k:
+            if up_to_1k and (causal or up_to_512):
                 config["tile_n"] = 64
+        if 128 < head_dim <= 192 and up_to_1k:
+            config["tile_n"] = 64
         if head_dim <= 64:
             if short:
                 config["prefetch_next"] = True

@@ -64,6 +64,12 @@ VARIANTS = [
     (cutlass.Float16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
                                        recompute_epilogue=True, q_by_group=True, o_from_registers=True,
                                        dynamic_schedule=True)),
+    # 64-column blocks: short d192 (causal and not), and non-causal d256 up to 512 keys (short_512).
+    (cutlass.BFloat16, 192, False, dict(tile_m=128, tile_n=64, num_stages=2, dynamic_schedule=True)),
+    (cutlass.Float16, 192, True, dict(tile_m=128, tile_n=64, num_stages=2, lpt="head", planned_tail=True)),
+    (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=64, num_stages=2, wg_epilogue=True,
+                                        recompute_epilogue=True, q_by_group=True, o_from_registers=True,
+                                        dynamic_schedule=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,

@@ -49,10 +49,11 @@ def test_sm90_serves_its_head_dims_and_sm80_the_rest(monkeypatch):
 
 
 def test_length_buckets_reach_the_sm90_launch_settings():
-    classes = [dispatch.length_class(n, causal) for causal in (False, True) for n in (1024, 1025, 2048, 2049, 4096, 4097)]
-    assert dispatch.length_classes(False) == ("short", "short_2k", "long")
-    assert classes == ["short", "short_2k", "short_2k", "long", "long", "long",
-                       "short", "short_2k", "short_2k", "mid", "mid", "long"]
+    classes = [dispatch.length_class(n, causal) for causal in (False, True)
+               for n in (1, 512, 513, 1024, 1025, 2048, 2049, 4096, 4097)]
+    assert dispatch.length_classes(False) == ("short", "short_512", "short_2k", "long")
+    assert classes == ["short_512", "short_512", "short", "short", "short_2k", "short_2k", "long", "long", "long",
+                       "short_512", "short_512", "short", "short", "short_2k", "short_2k", "mid", "mid", "long"]
     short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="short", num_sms=132).init_kwargs)
     long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="long", num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
@@ -119,6 +120,20 @@ def test_length_buckets_reach_the_sm90_launch_settings():
                      for d in (96, 256))
         assert (d96["tile_m"], d96["tile_n"]) == d96_tiles and d256["tile_n"] == d256_tile_n
         assert d96.get("dynamic_schedule", False) == (length == "mid")
+    # 64-column blocks: d192 up to 1024 keys, non-causal d256 up to 512 (causal: 1024); elsewhere
+    # short_512 launches the short kernel itself.
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            tiles = {length: dict(dispatch.plan_forward((9, 0), torch.bfloat16, head_dim, causal, length=length,
+                                                        num_sms=132).init_kwargs)
+                     for length in ("short_512", "short", "short_2k")}
+            blocks = {length: plan["tile_n"] for length, plan in tiles.items()}
+            if head_dim == 192:
+                assert blocks == {"short_512": 64, "short": 64, "short_2k": 112}
+            elif head_dim == 256:
+                assert blocks == {"short_512": 64, "short": 64 if causal else 80, "short_2k": 80}
+            else:
+                assert tiles["short_512"] == tiles["short"], (head_dim, causal)
     assert short["q_stages"] == 2 and short["wg_epilogue"] and short["recompute_epilogue"]
     assert not long.get("recompute_epilogue", False)
     for causal in (False, True):

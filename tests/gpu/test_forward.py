@@ -162,6 +162,23 @@ def test_short_dynamic_schedule(family, head_dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,seqlens", [(192, (1000, 1000)), (192, (500, 512)), (256, (500, 512)),
+                                              (256, (333, 449))], ids=lambda v: str(v))
+def test_64_column_blocks(family, head_dim, seqlens, causal, dtype):
+    """Short d192, and d256 up to 512 keys, run 64-column K/V blocks (length_config): more tiles
+    than SMs, GQA, ragged query and key counts (449 keys: a last block of one column), twice in a
+    row (non-causal: on the global counter, which each call leaves at zero)."""
+    from cute_flash import forward_sm90
+
+    torch.manual_seed(head_dim + 5 * causal + seqlens[1])
+    assert dispatch.length_class(seqlens[1], causal) == ("short_512" if seqlens[1] <= 512 else "short")
+    check_shape(4, seqlens, 16, 4, head_dim, causal, dtype=dtype, calls=2)
+    for counters in forward_sm90._counters.values():
+        assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim,seqlens", [(64, (1000, 1000)), (96, (1000, 1000)), (128, (1000, 1000)),
                                               (192, (1000, 1000)), (256, (1000, 1000)), (96, (1800, 2000)),
                                               (256, (1800, 2000))], ids=str)
