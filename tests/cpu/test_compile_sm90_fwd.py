@@ -5,7 +5,9 @@ producer and consumer warp groups (setmaxnreg), must not spill, and ptxas must n
 wgmma instructions nor wait for them where we did not (advisories C7512: registers ran out while a
 wgmma was in flight, which cost the causal kernel a third to a half of its speed; C7515: something
 other than a wgmma defines an accumulator a wgmma may still write; C7517: a wait injected before a
-use of such registers).
+use of such registers; C7511: "insufficient register resources for the wgmma pipeline", which a
+first S GEMM of half the width into part of the S accumulator brought, at -10 to -32% (session 25).
+Every C751x advisory fails the test).
 """
 
 import itertools
@@ -141,7 +143,7 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert ("st.global.v4.b32" in report.ptx) == (not by_tma)
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
-    advisories = re.findall(r"\((C751[257])\)", logs[0])
+    advisories = re.findall(r"\((C751\d)\)", logs[0])
     assert not advisories, f"ptxas serialized or waited for wgmma instructions: {advisories}"
 
 
