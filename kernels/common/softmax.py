@@ -18,10 +18,11 @@ wgmma), where the 4 threads of a quad share each row.
         which the O accumulator must be rescaled (1.0 when is_first). Masked entries must be -inf
         already; check_inf keeps fully masked rows at P = 0 instead of NaN.
 
-    max_scaled, row_scale = softmax.update_row_max(acc_S, check_inf)
+    max_scaled, row_scale = softmax.update_row_max(acc_S, check_inf, exact_one)
     softmax.exponentiate(acc_S, max_scaled, row_scale)
         online_softmax(acc_S) (not the first block) in two halves, the row maxima and factors, then
-        the exponentials and row sums: for kernels that wait on something between them.
+        the exponentials and row sums: for kernels that wait on something between them. With
+        exact_one=False a row factor whose max did not move is 1 within an ulp, not exactly 1.
 
     softmax.rescale_O(acc_O, row_scale)
         acc_O[row, :] *= row_scale[row].
