@@ -108,10 +108,7 @@ class OnlineSoftmax:
         max_scaled = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row_max_prev, row_max_new, max_scaled[r] = self._new_row_max(acc_S_mn, r, False, check_inf)
-            if cutlass.const_expr(exact_one):
-                row_scale[r] = self._row_factor(row_max_prev, row_max_new, max_scaled[r])
-            else:
-                row_scale[r] = cute.math.exp2(row_max_prev * self.scale_log2 - max_scaled[r], fastmath=True)
+            row_scale[r] = self._row_factor(row_max_prev, row_max_new, max_scaled[r], exact_one)
         return max_scaled, row_scale
 
     @cute.jit
@@ -141,9 +138,13 @@ class OnlineSoftmax:
         return cute.math.exp2(acc_S_mn[r, None].load() * self.scale_log2 - max_scaled, fastmath=True)
 
     @cute.jit
-    def _row_factor(self, row_max_prev: Float32, row_max_new: Float32, max_scaled: Float32) -> Float32:
-        # exactly 1 when the max did not move, so rescale_O can be skipped
-        return 1.0 if row_max_prev == row_max_new else cute.math.exp2(row_max_prev * self.scale_log2 - max_scaled, fastmath=True)
+    def _row_factor(self, row_max_prev: Float32, row_max_new: Float32, max_scaled: Float32,
+                    exact_one: cutlass.Constexpr[bool] = True) -> Float32:
+        factor = cute.math.exp2(row_max_prev * self.scale_log2 - max_scaled, fastmath=True)
+        if cutlass.const_expr(exact_one):
+            # exactly 1 when the max did not move, so rescale_O can be skipped
+            factor = 1.0 if row_max_prev == row_max_new else factor
+        return factor
 
     @cute.jit
     def _accumulate_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], p_row, row_scale: cute.Tensor,

@@ -202,7 +202,8 @@ class FlashAttnFwdSm90:
         # instructions per block (long non-causal d64: 418 against 426). Measured (interleaved A/B,
         # bf16 / fp16, session 25 runs 5-6): long non-causal d64 +0.0 to +1.8% at 8k-16k, +0.3% at
         # 4k; short d64 and d128 (causal and not) -2.4 to +1.0%, so long non-causal d64 only.
-        self.lean_row_max = lean_row_max
+        self.row_max_checks_inf = causal or not lean_row_max
+        self.row_factor_exact = rescale_if_moved or not lean_row_max
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
         # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
         # releases them, and the producer loads them for the next tile while the other groups
@@ -371,11 +372,12 @@ class FlashAttnFwdSm90:
           mainloop, non-causal +3.2-3.7 / +1.8-2.2 / +1.0-1.3% with Q released after the last S
           GEMM (release_q_early); within +-0.6% at mid and long d256, which keep the smem path.
         """
-        # short_512 takes the short settings, but for d256's non-causal blocks.
+        # short_512 and short_2k take the short settings, but for d256's non-causal blocks
+        # (short_512), d96's tiles, d128's O rescale and d256's causal blocks (short_2k).
         up_to_512 = length == "short_512"
-        if up_to_512:
-            length = "short"
-        three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and length != "short" else {}
+        up_to_1k = up_to_512 or length == "short"
+        short = up_to_1k or length == "short_2k"
+        three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and not up_to_1k else {}
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
             if head_dim <= 64 and not causal:
@@ -395,8 +397,6 @@ class FlashAttnFwdSm90:
                     config.update(tile_m=192, tile_n=80, num_stages=3)
             return config
         config = dict(num_sms=num_sms, **three_groups_d96)
-        # short_2k takes the short settings, but for d96's tiles, d128's O rescale and d256's blocks.
-        short, up_to_1k = length in ("short", "short_2k"), length == "short"
         late_rescale = length == "short_2k" and not causal
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
             config["wg_epilogue"] = True
@@ -1267,7 +1267,7 @@ class FlashAttnFwdSm90:
         # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
         # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
         max_scaled, row_scale = c.softmax.update_row_max(
-            c.acc_S, check_inf=self.causal or not self.lean_row_max, exact_one=self.rescale_if_moved or not self.lean_row_max
+            c.acc_S, check_inf=self.row_max_checks_inf, exact_one=self.row_factor_exact
         )
         warpgroup.wait_group(0)
         for r in cutlass.range_constexpr(cute.size(max_scaled)):
