@@ -24,6 +24,18 @@ wgmma), where the 4 threads of a quad share each row.
         the exponentials and row sums: for kernels that wait on something between them. With
         exact_one=False a row factor whose max did not move is 1 within an ulp, not exactly 1.
 
+    row_max_new, grows = softmax.grown_row_max(acc_S)
+    softmax.rescale_if_grown(acc_O, row_max_new, grows, check_inf)
+    max_scaled = softmax.max_scaled(check_inf)
+    softmax.exponentiate(acc_S, max_scaled, None)
+        The lazy form of the pair above (FlashAttention-4's Blackwell kernel rescales this way): the
+        running max moves only where some row of the warp grew past it by more than
+        LAZY_RESCALE_LOG2 (grows, warp-uniform); otherwise the block is exponentiated against the
+        old max, and neither the row sums nor O are rescaled (rescale_if_grown moves the maxima and
+        rescales both only where grows; O must be stable, its GEMMs waited for). P then reaches at most
+        2^LAZY_RESCALE_LOG2, which 16-bit P, the f32 row sums and the f32 O hold as precisely as
+        values up to 1: the result is the same softmax, normalized at the end.
+
     softmax.rescale_O(acc_O, row_scale)
         acc_O[row, :] *= row_scale[row].
 
@@ -51,6 +63,9 @@ LOG2_E = math.log2(math.e)
 """exp(x) == exp2(x * LOG2_E): kernels fold it into the softmax scale."""
 
 QUAD = 4  # threads of an mma.sync / wgmma quad that share one accumulator row
+
+LAZY_RESCALE_LOG2 = 8.0
+"""How far (in exp2 units) a row may outgrow its running max before the lazy form moves it."""
 
 
 @cute.jit
@@ -112,10 +127,61 @@ class OnlineSoftmax:
         return max_scaled, row_scale
 
     @cute.jit
-    def exponentiate(self, acc_S: cute.Tensor, max_scaled: cute.Tensor, row_scale: cute.Tensor) -> None:
+    def exponentiate(self, acc_S: cute.Tensor, max_scaled: cute.Tensor, row_scale: cute.Tensor | None) -> None:
         acc_S_mn = reshape_acc_to_mn(acc_S)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             self._accumulate_row(acc_S_mn, r, self._exp2_row(acc_S_mn, r, max_scaled[r]), row_scale, False)
+
+    @cute.jit
+    def grown_row_max(self, acc_S: cute.Tensor):
+        """Row maxima over the running max and this block, and whether any row of the warp grew
+        by more than LAZY_RESCALE_LOG2 (a warp-uniform Boolean). A fully masked row (-inf before
+        and after) does not grow; a row's first key (-inf before) always does."""
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        row_max_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+        grows = cutlass.Boolean(False)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
+            row_max_new[r] = _quad_allreduce(row_max, cute.arch.fmax)
+            grows = grows | ((row_max_new[r] - self.row_max[r]) * self.scale_log2 > LAZY_RESCALE_LOG2)
+        return row_max_new, cute.arch.vote_any_sync(grows)
+
+    @cute.jit
+    def _move_row_max(self, row_max_new: cute.Tensor, check_inf: cutlass.Constexpr[bool]) -> cute.Tensor:
+        """The running maxima become row_max_new; the row sums are rescaled here, and the returned
+        factors are what O owes."""
+        row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            row_scale[r] = cute.math.exp2(
+                self.row_max[r] * self.scale_log2 - self._scaled(row_max_new[r], check_inf), fastmath=True
+            )
+            self.row_sum[r] = self.row_sum[r] * row_scale[r]
+            self.row_max[r] = row_max_new[r]
+        return row_scale
+
+    @cute.jit
+    def rescale_if_grown(self, acc_O: cute.Tensor, row_max_new: cute.Tensor, grows,
+                         check_inf: cutlass.Constexpr[bool] = True) -> None:
+        # The branch lives here, not in the kernel: a dynamic `if` whose body calls a method
+        # through an attribute of a kernel-side object (c.softmax.f()) rebuilds this object's
+        # tensors inside the branch, and their later uses fail IR verification.
+        if grows:
+            self.rescale_O(acc_O, self._move_row_max(row_max_new, check_inf))
+
+    @cute.jit
+    def max_scaled(self, check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+        """The running maxima in exp2 units, as exponentiate takes them."""
+        max_scaled = cute.make_rmem_tensor_like(self.row_max, Float32)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            max_scaled[r] = self._scaled(self.row_max[r], check_inf)
+        return max_scaled
+
+    @cute.jit
+    def _scaled(self, row_max: Float32, check_inf: cutlass.Constexpr[bool]) -> Float32:
+        if cutlass.const_expr(check_inf):
+            # A row with every key masked so far: keep P = exp2(-inf) = 0, not exp2(nan).
+            row_max = 0.0 if row_max == -Float32.inf else row_max
+        return row_max * self.scale_log2
 
     @cute.jit
     def _new_row_max(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], is_first: cutlass.Constexpr[bool],
@@ -128,10 +194,7 @@ class OnlineSoftmax:
         row_max_new = _quad_allreduce(row_max_new, cute.arch.fmax)
         row_max_prev = self.row_max[r]
         self.row_max[r] = row_max_new
-        if cutlass.const_expr(check_inf):
-            # A row with every key masked so far: keep P = exp2(-inf) = 0, not exp2(nan).
-            row_max_new = 0.0 if row_max_new == -Float32.inf else row_max_new
-        return row_max_prev, row_max_new, row_max_new * self.scale_log2
+        return row_max_prev, row_max_new, self._scaled(row_max_new, check_inf)
 
     @cute.jit
     def _exp2_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], max_scaled: Float32):
@@ -151,6 +214,8 @@ class OnlineSoftmax:
                         is_first: cutlass.Constexpr[bool]) -> None:
         if cutlass.const_expr(is_first):
             self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        elif cutlass.const_expr(row_scale is None):  # lazy rescaling: the row sum is already scaled
+            self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, self.row_sum[r], 0)
         else:
             self.row_sum[r] = p_row.reduce(cute.ReductionOp.ADD, self.row_sum[r] * row_scale[r], 0)
         acc_S_mn[r, None].store(p_row)

@@ -6,6 +6,8 @@ import torch
 import cute_flash
 from cute_flash import dispatch
 
+from cute_flash.reference import causal_allowed
+
 from .common import assert_forward_close, randn
 
 pytestmark = pytest.mark.gpu
@@ -145,6 +147,35 @@ def test_dynamic_schedule(family, head_dim, causal):
     check_shape(1, (4500, 4600), 8, 2, head_dim, causal, calls=2)
     for counters in forward_sm90._counters.values():
         assert int(counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim,seqlens", [(64, (1000, 1000)), (64, (4500, 4600)), (96, (4500, 4600)),
+                                              (128, (1000, 1000)), (128, (4500, 4600)), (256, (1000, 1000)),
+                                              (256, (4500, 4600))], ids=str)
+def test_scores_growing_across_blocks(family, head_dim, seqlens, causal, dtype):
+    """The kernels visit a row's K/V blocks last to first; here the first key's scores are 5x the
+    last's, so each row's running max moves again and again, by more than 2^8 in P (where lazy
+    rescaling must rescale O and the row sums: kernels/common/softmax.py) as well as by less."""
+    torch.manual_seed(head_dim + seqlens[1] + causal)
+    (sq, sk), scale = seqlens, head_dim ** -0.5
+    growth = 1 + 4 * torch.arange(sk - 1, -1, -1, device="cuda") / sk
+    q = randn(2, sq, 8, head_dim, dtype=dtype)
+    k = (randn(2, sk, 2, head_dim, dtype=dtype).float() * growth[None, :, None, None]).to(dtype)
+    v = randn(2, sk, 2, head_dim, dtype=dtype)
+    # The premise, for the rows that see more than one block of 128 keys: the row max over all
+    # keys exceeds the max over the last block seen first by more than 8 in exp2 units.
+    scores = torch.einsum("bqhd,bkhd->bhqk", q[:, :, :2].double(), k.double()) * scale * 1.4426950408889634
+    if causal:
+        scores = scores.masked_fill(~causal_allowed(sq, sk, q.device), float("-inf"))
+    row_end = torch.arange(sq, device="cuda") + (sk - sq) + 1 if causal else torch.full((sq,), sk, device="cuda")
+    first_block = torch.arange(sk, device="cuda")[None, :] >= (row_end[:, None] - 128)
+    first_max = scores.masked_fill(~first_block, float("-inf")).amax(-1)
+    rows = row_end > 256
+    assert ((scores.amax(-1) - first_max)[..., rows] > 8).float().mean() > 0.5
+    out, lse = run_forward(q, k, v, causal)
+    assert_forward_close(out, lse, q, k, v, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
