@@ -129,13 +129,16 @@ class FlashAttnFwdSm90:
             rescale_o_early = head_dim >= 128
         # The running max moves only when a row of the warp outgrows it by 2^8 (softmax.py:
         # grown_row_max): otherwise the block is exponentiated against the old max and neither
-        # the row sums nor O are rescaled. The rare rescale runs right after the PV wait.
+        # the row sums nor O are rescaled. The rare rescale runs right after the PV wait (so O
+        # is not rescaled early). The loop's common path loses the row factors and O's
+        # multiplies: long non-causal d128 383 -> 313 SASS instructions per block, d256 501 ->
+        # 373, d64 418 -> 388. Measured: long non-causal d128 +6-7% (length_config).
         self.lazy_rescale = lazy_rescale and intra_wg_overlap
         self.rescale_o_early = rescale_o_early and intra_wg_overlap and not self.lazy_rescale
         # Skip O's rescale for a block when no row max of the warp moved (row_scale is then 1).
         # Measured (interleaved A/B, bf16): non-causal d128 +1% at 2k, +0-4% at 4k, +4% at 8k,
         # +7% at 16k; d256 -2 to -3%, causal d64 -5% at 16k, elsewhere within 2%.
-        self.rescale_if_moved = rescale_if_moved
+        self.rescale_if_moved = rescale_if_moved and not self.lazy_rescale
         # Persistent CTAs with a static walk only (the dynamic schedule knows the next tile late):
         # the producer prefetches the next tile's Q and first K, V block to L2.
         self.prefetch_next = (
@@ -345,6 +348,13 @@ class FlashAttnFwdSm90:
           causal d64 -10% at 1k; see below for the exceptions). Long non-causal d64 keeps the DSL's
           sleeping pipeline waits (spin_waits: -1 to -2% there) and drops the row-max checks it
           does not need (lean_row_max, see __init__: +0.0 to +1.8% at 8k-16k).
+        * Long and mid problems rescale lazily (lazy_rescale, see __init__; session 26, runs 1-3,
+          interleaved, bf16 / fp16): non-causal d128 +5.6 to +7.3% at 4k-16k, d96 +2.6 / +5.3% at
+          8k, d192 +2.6 / +1.2% at 8k, d256 -0.2 to +3.8% at 4k-16k; causal d96 +4.0 to +6.5% at
+          4k-8k, d192 +0.8 to +8.3%, d256 -0.9 to +4.9%, d64 -0.8 to +2.7%; but non-causal d64 -1.7
+          to +0.7% (off there), and causal d128 +0.3 to +2.8% only with a register spilled in the
+          producer (ptxas, the rare branch; spill-free with recompute_epilogue, which gives the gain
+          back): off there. Short problems: within -1.6 to +1.8%, not used.
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
         * q_by_group (see __init__; session 8, interleaved runs 3-9 of the variant log): d256 short and mid +0.7 to
@@ -356,8 +366,8 @@ class FlashAttnFwdSm90:
           +11-15% at 2k-16k non-causal and +14-21% causal, bf16 and fp16 (session 19, run 3; causal
           2k +15.0 / +15.4% in session 20, run 2); short problems keep 128 x 128 (192 x 96: -2 to -3%
           at 512 non-causal, -8% causal at 512 and 1k). Long
-          d96 also skips O rescales that change nothing (rescale_if_moved) when non-causal,
-          +0.9-1.2% at 8k and +1.4-3.1% at 16k, and derives the epilogue's coordinates per tile
+          d96 skipped O rescales that change nothing (rescale_if_moved) when non-causal,
+          +0.9-1.2% at 8k and +1.4-3.1% at 16k (lazy rescaling since), and derives the epilogue's coordinates per tile
           (recompute_epilogue) when causal, +2.3-3.3% at 16k (two interleaved runs, bf16 and fp16,
           session 19 runs 5-6).
         * Short and short_2k causal problems take the last rounds of their walk from a host plan
@@ -383,18 +393,20 @@ class FlashAttnFwdSm90:
         up_to_1k = up_to_512 or length == "short"
         short = up_to_1k or length == "short_2k"
         three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and not up_to_1k else {}
+        # Long and mid kernels but two: non-causal d64 (-1.7 to +0.7%), and causal d128, where
+        # ptxas spills a register in the producer once the mainloop has the rare rescale branch.
+        lazy_rescale = not (head_dim <= 64 and not causal) and not (96 < head_dim <= 128 and causal)
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
+            if lazy_rescale:
+                config["lazy_rescale"] = True
             if head_dim <= 64 and not causal:
                 config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16,
                               lean_row_max=True)
             if head_dim > 192 and causal:
                 config.update(wg_epilogue=True, q_by_group=True)
-            if three_groups_d96:
-                if causal:
-                    config["recompute_epilogue"] = True
-                else:
-                    config["rescale_if_moved"] = True
+            if three_groups_d96 and causal:
+                config["recompute_epilogue"] = True
             if 96 < head_dim <= 128:
                 if causal:
                     config.update(num_stages=2, q_stages=2, wg_epilogue=True)
@@ -413,6 +425,8 @@ class FlashAttnFwdSm90:
             config["lpt"] = "l2"
         if length == "mid" or (up_to_1k and not causal and head_dim > 96):
             config["dynamic_schedule"] = True
+        if length == "mid" and lazy_rescale:
+            config["lazy_rescale"] = True
         if 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
             if short and causal:

@@ -94,6 +94,18 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert not short64.get("lean_row_max", False)
         assert not short64.get("recompute_epilogue", False)
         assert short64["wg_epilogue"] and short64["q_stages"] == 2
+    # Lazy rescaling on long and mid problems (all causal ones from 2049 keys), but for non-causal d64
+    # and causal d128; the kernel then never rescales O early nor tests row factors for 1.
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            for length in dispatch.length_classes(causal):
+                plan = dict(dispatch.plan_forward((9, 0), torch.float16, head_dim, causal, length=length,
+                                                  num_sms=132).init_kwargs)
+                lazy = length in ("mid", "long") and (causal or head_dim > 64) and not (head_dim == 128 and causal)
+                assert plan.get("lazy_rescale", False) == lazy, (head_dim, causal, length)
+                kernel = FlashAttnFwdSm90(**plan)
+                assert kernel.lazy_rescale == lazy
+                assert not (lazy and (kernel.rescale_o_early or kernel.rescale_if_moved))
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
     for length, tile_m in (("short", 128), ("short_2k", 128), ("mid", 192), ("long", 192)):
         plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, True, length=length, num_sms=132).init_kwargs)
