@@ -5,16 +5,18 @@
 # Writes <name>.ncu-rep, <name>.log and a text summary <name>.txt (every kernel's speed-of-light,
 # occupancy, launch, warp-state and memory sections) into $OUT/ncu.tgz (one file: the device
 # returns a limited number of files), and one line per case to stdout and $OUT/ncu-summary.txt.
-# Clocks are left alone (--clock-control none).
+# Clocks are left alone (--clock-control none) unless NCU_CLOCK says otherwise (base: locked at the
+# base clock, so a kernel's cycles do not depend on its power draw).
 set -o pipefail
 OUT=${OUT:-/tmp/cute-flash-out}
 mkdir -p "$OUT/ncu"
 SET=${NCU_SET:-full}
+CLOCK=${NCU_CLOCK:-none}
 for case in "$@"; do
   name=${case%%:*}
   args=${case#*:}
   # shellcheck disable=SC2086
-  ncu --clock-control none --profile-from-start off --set "$SET" --import-source no \
+  ncu --clock-control "$CLOCK" --profile-from-start off --set "$SET" --import-source no \
       -f -o "$OUT/ncu/$name" python3 -m perf.profile $args > "$OUT/ncu/$name.log" 2>&1 \
     || { echo "$name: ncu failed"; tail -5 "$OUT/ncu/$name.log"; continue; }
   ncu --import "$OUT/ncu/$name.ncu-rep" --page details \
