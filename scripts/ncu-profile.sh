@@ -10,6 +10,8 @@
 set -o pipefail
 OUT=${OUT:-/tmp/cute-flash-out}
 mkdir -p "$OUT/ncu"
+# A second call in the same run adds to the first one's reports instead of replacing them.
+[ -f "$OUT/ncu.tgz" ] && tar xzf "$OUT/ncu.tgz" -C "$OUT"
 SET=${NCU_SET:-full}
 CLOCK=${NCU_CLOCK:-none}
 for case in "$@"; do
