@@ -154,8 +154,8 @@ class OnlineSoftmax:
         factors are what O owes."""
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            row_scale[r] = cute.math.exp2(
-                self.row_max[r] * self.scale_log2 - self._scaled(row_max_new[r], check_inf), fastmath=True
+            row_scale[r] = self._row_factor(
+                self.row_max[r], row_max_new[r], self._scaled(row_max_new[r], check_inf), exact_one=False
             )
             self.row_sum[r] = self.row_sum[r] * row_scale[r]
             self.row_max[r] = row_max_new[r]
