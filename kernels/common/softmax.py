@@ -143,8 +143,7 @@ class OnlineSoftmax:
         row_max_new = cute.make_rmem_tensor_like(self.row_max, Float32)
         grows = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            row_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
-            row_max_new[r] = _quad_allreduce(row_max, cute.arch.fmax)
+            row_max_new[r] = self._block_row_max(acc_S_mn, r, self.row_max[r])
             grows = grows | ((row_max_new[r] - self.row_max[r]) * self.scale_log2 > LAZY_RESCALE_LOG2)
         return row_max_new, cute.arch.vote_any_sync(grows)
 
@@ -188,15 +187,19 @@ class OnlineSoftmax:
     @cute.jit
     def _new_row_max(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], is_first: cutlass.Constexpr[bool],
                      check_inf: cutlass.Constexpr[bool]):
-        s_row = acc_S_mn[r, None].load()
         if cutlass.const_expr(is_first):
-            row_max_new = s_row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            row_max_new = self._block_row_max(acc_S_mn, r, -Float32.inf)
         else:
-            row_max_new = s_row.reduce(cute.ReductionOp.MAX, self.row_max[r], 0)
-        row_max_new = _quad_allreduce(row_max_new, cute.arch.fmax)
+            row_max_new = self._block_row_max(acc_S_mn, r, self.row_max[r])
         row_max_prev = self.row_max[r]
         self.row_max[r] = row_max_new
         return row_max_prev, row_max_new, self._scaled(row_max_new, check_inf)
+
+    @cute.jit
+    def _block_row_max(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], init: Float32) -> Float32:
+        """Max of init and row r of this block, across the quad that holds the row."""
+        row_max = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, init, 0)
+        return _quad_allreduce(row_max, cute.arch.fmax)
 
     @cute.jit
     def _exp2_row(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int], max_scaled: Float32):

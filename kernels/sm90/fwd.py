@@ -211,7 +211,7 @@ class FlashAttnFwdSm90:
         # bf16 / fp16, session 25 runs 5-6): long non-causal d64 +0.0 to +1.8% at 8k-16k, +0.3% at
         # 4k; short d64 and d128 (causal and not) -2.4 to +1.0%, so long non-causal d64 only.
         self.row_max_checks_inf = causal or not lean_row_max
-        self.row_factor_exact = rescale_if_moved or not lean_row_max
+        self.row_factor_exact = self.rescale_if_moved or not lean_row_max
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
         # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
         # releases them, and the producer loads them for the next tile while the other groups
