@@ -386,6 +386,7 @@ class FlashAttnBwdSm80:
                 rP.store(acc_S.load().to(self.dtype))
                 cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
 
+                # dP = dO_i V_j^T, then dS.
                 acc_dP = cute.make_rmem_tensor(acc_shape_SdP, Float32)
                 acc_dP.fill(0.0)
                 gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage_do], tdPsV, s2r_sdp_A, s2r_sdp_B)
