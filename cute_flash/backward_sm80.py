@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_tensor
 
 from cute_flash.cache import get_or_compile
-from cute_flash.dispatch import CUTLASS_DTYPES
+from cute_flash.dispatch import CUTLASS_DTYPES, target_arch
 from cute_flash.kernels.common.layouts import round_up
 from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
@@ -67,10 +67,10 @@ def main_kernel_key(dtype, head_dim: int, causal: bool, deterministic: bool, gqa
             "dkv_f32" if gqa else "dkv_same", tuple(sorted(tiles.items())))
 
 
-def backward_builds(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool):
-    """(cache key, build) of the preprocess, main and postprocess kernels of one backward variant;
-    `build()` returns (kernel object, fake arguments)."""
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+def backward_builds(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, arch: str):
+    """(cache key, build) of the preprocess, main and postprocess kernels of one backward variant
+    compiled for `arch`; `build()` returns (kernel object, fake arguments)."""
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
     return (
         (("sm80", "bwd_pre", dtype.__name__, head_dim),
          lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim))),
@@ -83,9 +83,12 @@ def backward_builds(dtype, head_dim: int, causal: bool, deterministic: bool, gqa
     )
 
 
-def backward_kernels(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, arch: str | None = None):
+def backward_kernels(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, arch: str):
     """The three compiled kernels of one backward variant (from the cache, compiling if needed)."""
-    return tuple(get_or_compile(key, build, arch) for key, build in backward_builds(dtype, head_dim, causal, deterministic, gqa))
+    return tuple(
+        get_or_compile(key, build, arch)
+        for key, build in backward_builds(dtype, head_dim, causal, deterministic, gqa, arch)
+    )
 
 
 def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, causal: bool,
@@ -98,7 +101,8 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     device = q.device
     f32 = torch.float32
 
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+    arch = target_arch(device.index)
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
     m_block = tiles["m_block_size"]
     seqlen_q_pad = round_up(seqlen_q, ROW_PAD)
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
@@ -115,7 +119,7 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     else:
         dk_out, dv_out = dk, dv
 
-    pre, main, post = backward_kernels(dtype, head_dim, causal, deterministic, gqa)
+    pre, main, post = backward_kernels(dtype, head_dim, causal, deterministic, gqa, arch)
     # TVM-FFI entry points: torch tensors as they are, the stream is the current torch stream.
     pre(out, dout, lse, lse_log2, dpsum)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore, softmax_scale)

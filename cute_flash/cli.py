@@ -50,7 +50,7 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
     from .backward_sm80 import backward_builds
 
     builds = []
-    for key, build in backward_builds(dispatch.CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, gqa):
+    for key, build in backward_builds(dispatch.CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, gqa, arch):
         kind = key[1].removeprefix("bwd_")
         variant = f"/{'causal' if causal else 'full'}{'/gqa' if gqa else ''}" if kind == "main" else ""
         builds.append((f"bwd/{kind}/sm80/{dtype}/d{head_dim}{variant}", key, build,

@@ -40,15 +40,21 @@ def _id(v):
     return f"{dtype.__name__}-d{d}-{'causal' if causal else 'full'}{'-det' if det else ''}{'-gqa' if gqa else ''}"
 
 
-# The H100 runs this kernel compiled for sm_90a, where ptxas allocates differently; the head dims
-# that sit at 255 registers (64, 128) are checked for that target too.
-MAIN_TARGETS = [(v, ARCH) for v in MAIN_VARIANTS] + [(v, "sm_90a") for v in MAIN_VARIANTS if v[1] in (64, 128)]
+# The H100 runs this kernel compiled for sm_90a, where ptxas allocates differently and d = 128
+# has its own tiles; the head dims that sit at 255 registers (64, 128) are checked for that target
+# too, d = 128 in both dtypes (bf16 non-causal is the variant that spills for sm_80 with the fp32 P).
+MAIN_TARGETS = (
+    [(v, ARCH) for v in MAIN_VARIANTS]
+    + [(v, "sm_90a") for v in MAIN_VARIANTS if v[1] in (64, 128)]
+    + [((BF16, 128, False, False, False), "sm_90a"), ((FP16, 128, True, False, True), "sm_90a"),
+       ((BF16, 128, False, True, False), "sm_90a")]
+)
 
 
 @pytest.mark.parametrize("variant,arch", MAIN_TARGETS, ids=[f"{_id(v)}-{a}" for v, a in MAIN_TARGETS])
 def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
     dtype, head_dim, causal, deterministic, gqa = variant
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
     assert FlashAttnBwdSm80.can_implement(dtype, head_dim, causal, **tiles)
     kernel = FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles)
     with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
@@ -79,9 +85,10 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, capsys):
 def test_tiles_fit_and_cover_every_head_dim():
     for head_dim in range(8, 257, 8):
         for causal in (False, True):
-            tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal)
-            assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, **tiles), (head_dim, tiles)
-            assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= SMEM_CAPACITY_SM80
+            for arch in (ARCH, "sm_90a"):
+                tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal, arch)
+                assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, **tiles), (head_dim, tiles)
+                assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= SMEM_CAPACITY_SM80
     assert not FlashAttnBwdSm80.can_implement(cutlass.Float32, 64, False)
     assert not FlashAttnBwdSm80.can_implement(BF16, 260, False)
     assert not FlashAttnBwdSm80.can_implement(BF16, 44, False)
@@ -93,3 +100,7 @@ def test_compile_key_holds_only_code_generating_choices():
     assert key[:6] == ("sm80", "bwd_main", "BFloat16", 128, True, False)
     assert key != main_kernel_key(BF16, 128, True, True, False, tiles)
     assert key != main_kernel_key(BF16, 128, True, False, True, tiles)
+    # The H100's target keeps the fp32 P at d = 128, with dQ's rows over four warps.
+    h100 = FlashAttnBwdSm80.default_tiles(BF16, 128, True, "sm_90a")
+    assert h100["p_in_registers"] and h100["atom_m_dq"] == 4 and not tiles["p_in_registers"]
+    assert main_kernel_key(BF16, 128, True, False, False, h100) != key
