@@ -122,11 +122,14 @@ class FlashAttnBwdSm80:
         # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
         tiles["p_in_registers"] = d not in (128, 256)
         if d == 128 and arch.startswith("sm_90"):
-            # For sm_90a, d = 128 with the fp32 P is spill-free once dQ's GEMM splits rows over four
-            # warps (for sm_80, bf16 non-causal still spills 8 bytes). Measured on the H100 against
-            # the sm_80 choice (session 30, interleaved, through autograd): bf16 non-causal +3.0 to
-            # +3.8%, causal +1.1 to +1.8% (1k-16k); four warps alone lose 0.5-2.5%.
-            tiles.update(p_in_registers=True, atom_m_dq=4)
+            # For sm_90a, d = 128 keeps the fp32 P without spills: fp16 as it is, bf16 once dQ's
+            # GEMM splits rows over four warps (two spill 8 bytes). Measured on the H100 against
+            # the read-back (session 30, interleaved, through autograd): bf16 non-causal +3.0 to
+            # +3.8%, causal +1.1 to +1.8% (1k-16k; four warps alone lose 0.5-2.5%); fp16 with four
+            # warps lost 1-2%. sm_80 keeps the read-back: unmeasured there (no A100 at hand).
+            tiles["p_in_registers"] = True
+            if dtype is cutlass.BFloat16:
+                tiles["atom_m_dq"] = 4
         # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills; at
         # d <= 64 without causal masking one dO buffer measured 1-2% faster on the H100.
         if 64 < d <= 128 or (d <= 64 and not causal):

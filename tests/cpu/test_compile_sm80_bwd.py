@@ -47,7 +47,7 @@ MAIN_TARGETS = (
     [(v, ARCH) for v in MAIN_VARIANTS]
     + [(v, "sm_90a") for v in MAIN_VARIANTS if v[1] in (64, 128)]
     + [((BF16, 128, False, False, False), "sm_90a"), ((FP16, 128, True, False, True), "sm_90a"),
-       ((BF16, 128, False, True, False), "sm_90a")]
+       ((FP16, 128, False, False, False), "sm_90a"), ((BF16, 128, False, True, False), "sm_90a")]
 )
 
 
@@ -100,7 +100,9 @@ def test_compile_key_holds_only_code_generating_choices():
     assert key[:6] == ("sm80", "bwd_main", "BFloat16", 128, True, False)
     assert key != main_kernel_key(BF16, 128, True, True, False, tiles)
     assert key != main_kernel_key(BF16, 128, True, False, True, tiles)
-    # The H100's target keeps the fp32 P at d = 128, with dQ's rows over four warps.
+    # The H100's target keeps the fp32 P at d = 128; bf16 splits dQ's rows over four warps.
     h100 = FlashAttnBwdSm80.default_tiles(BF16, 128, True, "sm_90a")
     assert h100["p_in_registers"] and h100["atom_m_dq"] == 4 and not tiles["p_in_registers"]
     assert main_kernel_key(BF16, 128, True, False, False, h100) != key
+    h100_fp16 = FlashAttnBwdSm80.default_tiles(FP16, 128, True, "sm_90a")
+    assert h100_fp16["p_in_registers"] and h100_fp16["atom_m_dq"] == 2
