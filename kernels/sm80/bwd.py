@@ -116,8 +116,9 @@ class FlashAttnBwdSm80:
             wide = d % 64 == 0
             tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
                          atom_m_dq=2 if wide else 4)
-        # The fp32 P kept across the dP GEMM fits the registers except at d = 128 and 256, whose
-        # tiles already sit at 255 registers (8-84 bytes of spill there, by target and dtype).
+        # The fp32 P kept across the dP GEMM fits the registers except at d = 256 and, compiled for
+        # sm_80, d = 128, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
+        # dtype).
         # Measured on the H100 against P read back from smem (session 29, interleaved): d32
         # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
         tiles["p_in_registers"] = d not in (128, 256)
@@ -125,8 +126,9 @@ class FlashAttnBwdSm80:
             # For sm_90a, d = 128 keeps the fp32 P without spills: fp16 as it is, bf16 once dQ's
             # GEMM splits rows over four warps (two spill 8 bytes). Measured on the H100 against
             # the read-back (session 30, interleaved, through autograd): bf16 non-causal +3.0 to
-            # +3.8%, causal +1.1 to +1.8% (1k-16k; four warps alone lose 0.5-2.5%); fp16 with four
-            # warps lost 1-2%. sm_80 keeps the read-back: unmeasured there (no A100 at hand).
+            # +3.8%, causal +1.1 to +1.8% (1k-16k; four warps alone lose 1.3-2.5%); fp16 +1.2 to
+            # +2.0% (with four warps: -0.3 to -2.1%). sm_80 keeps the read-back: unmeasured there
+            # (no A100 at hand).
             tiles["p_in_registers"] = True
             if dtype is cutlass.BFloat16:
                 tiles["atom_m_dq"] = 4
