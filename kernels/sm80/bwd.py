@@ -116,21 +116,22 @@ class FlashAttnBwdSm80:
             wide = d % 64 == 0
             tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
                          atom_m_dq=2 if wide else 4)
-        # The fp32 P kept across the dP GEMM fits the registers except at d = 256 and, compiled for
-        # sm_80, d = 128, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
+        # The fp32 P kept across the dP GEMM fits the registers except, compiled for sm_80, at
+        # d = 128 and 256, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
         # dtype).
         # Measured on the H100 against P read back from smem (session 29, interleaved): d32
         # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
         tiles["p_in_registers"] = d not in (128, 256)
-        if d == 128 and arch.startswith("sm_90"):
-            # For sm_90a, d = 128 keeps the fp32 P without spills: fp16 as it is, bf16 once dQ's
-            # GEMM splits rows over four warps (two spill 8 bytes). Measured on the H100 against
-            # the read-back (session 30, interleaved, through autograd): bf16 non-causal +3.0 to
-            # +3.8%, causal +1.1 to +1.8% (1k-16k; four warps alone lose 1.3-2.5%); fp16 +1.2 to
-            # +2.0% (with four warps: -0.3 to -2.1%). sm_80 keeps the read-back: unmeasured there
-            # (no A100 at hand).
+        if d in (128, 256) and arch.startswith("sm_90"):
+            # For sm_90a, d = 128 and 256 keep the fp32 P without spills: fp16 as they are, bf16
+            # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on
+            # the H100 against the read-back (session 30, interleaved, through autograd, 1k-16k):
+            # d128 bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose
+            # 1.3-2.5%), fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to
+            # +1.1%, fp16 +0.1 to +1.5%. sm_80 keeps the read-back: unmeasured there (no A100 at
+            # hand).
             tiles["p_in_registers"] = True
-            if dtype is cutlass.BFloat16:
+            if d == 128 and dtype is cutlass.BFloat16:
                 tiles["atom_m_dq"] = 4
         # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills; at
         # d <= 64 without causal masking one dO buffer measured 1-2% faster on the H100.

@@ -41,13 +41,15 @@ def _id(v):
 
 
 # The H100 runs this kernel compiled for sm_90a, where ptxas allocates differently and d = 128
-# has its own tiles; the head dims that sit at 255 registers (64, 128) are checked for that target
-# too, d = 128 in both dtypes (bf16 non-causal is the variant that spills for sm_80 with the fp32 P).
+# and 256 keep the fp32 P; the head dims that sit at 255 registers (64, 128, 256) are checked for
+# that target too, d = 128 in both dtypes (bf16 non-causal is the variant that spills for sm_80
+# with the fp32 P) and d = 256 in fp16 (which spills for sm_80).
 MAIN_TARGETS = (
     [(v, ARCH) for v in MAIN_VARIANTS]
-    + [(v, "sm_90a") for v in MAIN_VARIANTS if v[1] in (64, 128)]
+    + [(v, "sm_90a") for v in MAIN_VARIANTS if v[1] in (64, 128, 256)]
     + [((BF16, 128, False, False, False), "sm_90a"), ((FP16, 128, True, False, True), "sm_90a"),
-       ((FP16, 128, False, False, False), "sm_90a"), ((BF16, 128, False, True, False), "sm_90a")]
+       ((FP16, 128, False, False, False), "sm_90a"), ((BF16, 128, False, True, False), "sm_90a"),
+       ((FP16, 256, True, False, True), "sm_90a")]
 )
 
 
@@ -106,3 +108,5 @@ def test_compile_key_holds_only_code_generating_choices():
     assert main_kernel_key(BF16, 128, True, False, False, h100) != key
     h100_fp16 = FlashAttnBwdSm80.default_tiles(FP16, 128, True, "sm_90a")
     assert h100_fp16["p_in_registers"] and h100_fp16["atom_m_dq"] == 2
+    assert FlashAttnBwdSm80.default_tiles(FP16, 256, False, "sm_90a")["p_in_registers"]
+    assert not FlashAttnBwdSm80.default_tiles(FP16, 256, False)["p_in_registers"]
