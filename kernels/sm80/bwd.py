@@ -105,7 +105,7 @@ class FlashAttnBwdSm80:
         (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
         dO buffer wherever it fits in 163 KB
         and registers. `arch` is the compile target: ptxas allocates registers differently for
-        sm_90a (the H100 runs this kernel too), which lets d = 128 keep the fp32 P."""
+        sm_90a (the H100 runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
         d = round_up(head_dim, 32)
         if d <= 64:
             tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
@@ -121,18 +121,16 @@ class FlashAttnBwdSm80:
         # dtype).
         # Measured on the H100 against P read back from smem (session 29, interleaved): d32
         # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
-        tiles["p_in_registers"] = d not in (128, 256)
-        if d in (128, 256) and arch.startswith("sm_90"):
-            # For sm_90a, d = 128 and 256 keep the fp32 P without spills: fp16 as they are, bf16
-            # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on
-            # the H100 against the read-back (session 30, interleaved, through autograd, 1k-16k):
-            # d128 bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose
-            # 1.3-2.5%), fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to
-            # +1.1%, fp16 +0.1 to +1.5%. sm_80 keeps the read-back: unmeasured there (no A100 at
-            # hand).
-            tiles["p_in_registers"] = True
-            if d == 128 and dtype is cutlass.BFloat16:
-                tiles["atom_m_dq"] = 4
+        # For sm_90a, d = 128 and 256 keep the fp32 P without spills too: fp16 as they are, bf16
+        # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on the
+        # H100 against the read-back (session 30, interleaved, through autograd, 1k-16k): d128
+        # bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose 1.3-2.5%),
+        # fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to +1.1%, fp16 +0.1
+        # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
+        h100 = arch.startswith("sm_90")
+        tiles["p_in_registers"] = h100 or d not in (128, 256)
+        if h100 and d == 128 and dtype is cutlass.BFloat16:
+            tiles["atom_m_dq"] = 4
         # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills; at
         # d <= 64 without causal masking one dO buffer measured 1-2% faster on the H100.
         if 64 < d <= 128 or (d <= 64 and not causal):
