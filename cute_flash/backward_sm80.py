@@ -70,15 +70,16 @@ def main_kernel_key(dtype, head_dim: int, causal: bool, deterministic: bool, gqa
 def backward_builds(dtype, head_dim: int, causal: bool, deterministic: bool, gqa: bool, arch: str):
     """(cache key, build) of the preprocess, main and postprocess kernels of one backward variant
     compiled for `arch`; `build()` returns (kernel object, fake arguments)."""
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch, gqa)
     return (
         (("sm80", "bwd_pre", dtype.__name__, head_dim),
          lambda: (FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim))),
         (main_kernel_key(dtype, head_dim, causal, deterministic, gqa, tiles),
          lambda: (FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles),
                   main_kernel_fake_args(dtype, head_dim, gqa))),
-        (("sm80", "bwd_post", dtype.__name__, head_dim, tiles["m_block_size"], tiles["atom_m_dq"]),
-         lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"]),
+        (("sm80", "bwd_post", dtype.__name__, head_dim, tiles["m_block_size"], tiles["atom_m_dq"], tiles["dq_chunks"]),
+         lambda: (FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"],
+                                              tiles["dq_chunks"]),
                   post_kernel_fake_args(dtype, head_dim))),
     )
 
@@ -102,7 +103,7 @@ def backward_sm80(dout, q, k, v, out, lse, dq, dk, dv, *, softmax_scale: float, 
     f32 = torch.float32
 
     arch = target_arch(device.index)
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch, gqa)
     m_block = tiles["m_block_size"]
     seqlen_q_pad = round_up(seqlen_q, ROW_PAD)
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)

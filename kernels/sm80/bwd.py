@@ -48,6 +48,12 @@ from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
 
 SMEM_CAPACITY_SM80 = 163 * 1024
+SMEM_CAPACITY_SM90 = 227 * 1024  # the H100 runs this kernel too, with its larger opt-in smem
+
+
+def smem_capacity(arch: str) -> int:
+    """Opt-in shared memory per CTA on a compile target."""
+    return SMEM_CAPACITY_SM90 if arch.startswith("sm_90") else SMEM_CAPACITY_SM80
 
 
 @cute.jit
@@ -82,6 +88,7 @@ class FlashAttnBwdSm80:
         atom_n_dkv: int = 4,
         atom_m_dq: int = 4,
         p_in_registers: bool = False,
+        dq_chunks: int = 1,
     ):
         self.dtype = dtype
         self.head_dim = head_dim
@@ -98,9 +105,13 @@ class FlashAttnBwdSm80:
         # The ordered dQ semaphore (deterministic) takes the registers the fp32 P needs: 16-24
         # bytes of spill at d64 causal.
         self.p_in_registers = p_in_registers and not deterministic
+        # dQ = dS K_j by column chunks of head_dim, each added to the workspace before the next
+        # is computed: the accumulator the dQ GEMM adds to dK and dV's registers shrinks by the
+        # factor, which at d = 256 leaves room for a second Q buffer without spills.
+        self.dq_chunks = dq_chunks
 
     @staticmethod
-    def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80") -> dict:
+    def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
         """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
         (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
         dO buffer wherever it fits in 163 KB
@@ -129,17 +140,26 @@ class FlashAttnBwdSm80:
         # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
         h100 = arch.startswith("sm_90")
         tiles["p_in_registers"] = h100 or d not in (128, 256)
+        tiles["dq_chunks"] = 1
         if h100 and d == 128 and dtype is cutlass.BFloat16:
             tiles["atom_m_dq"] = 4
-        # At (64, 128) a second dO buffer costs the registers that keep d = 128 free of spills; at
-        # d <= 64 without causal masking one dO buffer measured 1-2% faster on the H100.
-        if 64 < d <= 128 or (d <= 64 and not causal):
+        if h100 and d == 256:
+            # The H100's 227 KB hold a second Q buffer (FA2's choice there), which the registers
+            # allow once dQ is computed 64 columns at a time over four warps' rows; grouped-query
+            # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured (session
+            # 31, interleaved, through autograd): the second Q buffer alone +4.5 to +5.5% bf16 and
+            # +8 to +9% fp16 non-causal, +1.6 to +5.5% causal (with spills).
+            tiles.update(dq_chunks=4, atom_m_dq=4, p_in_registers=not gqa)
+        # At (64, 128), and at d = 256 on the H100, a second dO buffer costs the registers that
+        # keep the kernel free of spills; at d <= 64 without causal masking one dO buffer measured
+        # 1-2% faster on the H100.
+        if 64 < d <= 128 or (d <= 64 and not causal) or (h100 and d == 256):
             stage_options = ((2, 1), (1, 1))
         else:
             stage_options = ((2, 2), (2, 1), (1, 1))
         for stages_Q, stages_dO in stage_options:
             tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-            if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= SMEM_CAPACITY_SM80:
+            if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
                 break
         return tiles
 
@@ -151,10 +171,10 @@ class FlashAttnBwdSm80:
         return elems * dtype.width // 8 + 4 * 128 * (num_stages_Q + num_stages_dO)
 
     @staticmethod
-    def can_implement(dtype, head_dim: int, causal: bool, **tiles) -> bool:
+    def can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", **tiles) -> bool:
         if dtype not in (cutlass.Float16, cutlass.BFloat16) or head_dim % 8 != 0 or head_dim > 256:
             return False
-        t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal)
+        t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
         d = round_up(head_dim, 32)
         warps = FlashAttnBwdSm80.num_threads // 32
         ok_tiles = (
@@ -163,9 +183,9 @@ class FlashAttnBwdSm80:
             and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
             and d % (16 * warps // t["atom_n_dkv"]) == 0
             and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
-            and d % (16 * warps // t["atom_m_dq"]) == 0
+            and d // t.get("dq_chunks", 1) % (16 * warps // t["atom_m_dq"]) == 0
         )
-        return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= SMEM_CAPACITY_SM80
+        return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -313,7 +333,9 @@ class FlashAttnBwdSm80:
         tdKrdSt = thr_mma_dkv.make_fragment_A(thr_mma_dkv.partition_A(sdSt))
         tdKrQt = thr_mma_dkv.make_fragment_B(thr_mma_dkv.partition_B(sQt[None, None, 0]))
         tdQrdS = thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sdS))
-        tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt))
+        dq_cols = d // self.dq_chunks
+        sKt_chunks = cute.local_tile(sKt, (dq_cols, n), (None, 0))
+        tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt_chunks[None, None, 0]))
 
         acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((n, d)), Float32)
         acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((n, d)), Float32)
@@ -338,7 +360,7 @@ class FlashAttnBwdSm80:
         tdKsdSt = s2r_dkv_A.partition_S(sdSt)
         tdKsQt = s2r_dkv_B.partition_S(sQt)
         tdQsdS = s2r_dq_A.partition_S(sdS)
-        tdQsKt = s2r_dq_B.partition_S(sKt)
+        tdQsKt = s2r_dq_B.partition_S(sKt_chunks)
         # P and dS go back to smem as pairs of 16-bit values straight from the accumulator layout.
         r2s_PdS = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=2 * self.dtype.width),
@@ -350,7 +372,7 @@ class FlashAttnBwdSm80:
         # (row, col) of every accumulator element of S/dP, and the rows this thread owns.
         tScS_mn = reshape_acc_to_mn(thr_mma_sdp.partition_C(cute.make_identity_tensor((m, n))))
         acc_shape_SdP = thr_mma_sdp.partition_shape_C((m, n))
-        acc_shape_dQ = thr_mma_dq.partition_shape_C((m, d))
+        acc_shape_dQ = thr_mma_dq.partition_shape_C((m, dq_cols))
 
         if m_block_min < m_block_max:
             # ------------------------------------------------------------ prologue: K_j, V_j, Q/dO of the first block
@@ -426,11 +448,13 @@ class FlashAttnBwdSm80:
                     cute.arch.cp_async_commit_group()
 
                 # dQ_i += dS K_j, accumulated in fp32 global memory.
-                acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
-                acc_dQ.fill(0.0)
-                gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt, s2r_dq_A, s2r_dq_B)
-                self.accumulate_dQ(acc_dQ, gdQaccum[None, m_block], mdQsemaphore,
-                                   batch, head, m_block, n_block, tidx)
+                for chunk in cutlass.range_constexpr(self.dq_chunks):
+                    acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
+                    acc_dQ.fill(0.0)
+                    gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt[None, None, None, chunk],
+                              s2r_dq_A, s2r_dq_B)
+                    self.accumulate_dQ(acc_dQ, gdQaccum[None, m_block], chunk, mdQsemaphore,
+                                       batch, head, m_block, n_block, tidx)
 
                 # dK_j += dS^T Q_i
                 gemm_smem(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, stage_q],
@@ -494,19 +518,24 @@ class FlashAttnBwdSm80:
                       cute.local_tile(sdPsum[None, stage], (1,), (tidx,)))
 
     @cute.jit
-    def accumulate_dQ(self, acc_dQ: cute.Tensor, gdQaccum_tile: cute.Tensor, mdQsemaphore: cute.Tensor,
-                      batch: Int32, head: Int32, m_block: Int32, n_block: Int32, tidx: Int32):
+    def accumulate_dQ(self, acc_dQ: cute.Tensor, gdQaccum_tile: cute.Tensor, chunk: cutlass.Constexpr[int],
+                      mdQsemaphore: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, n_block: Int32,
+                      tidx: Int32):
+        """Adds one column chunk of dQ_i to the workspace, thread-major within the chunk; with
+        `deterministic`, key blocks take turns per query block (the first chunk waits for this
+        block's turn, the last passes it on)."""
         if cutlass.const_expr(self.deterministic):
-            # Key blocks that see query block m_block are 0..k: add in n_block order.
             lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
+        if cutlass.const_expr(self.deterministic and chunk == 0):
+            # Key blocks that see query block m_block are 0..k: add in n_block order.
             if tidx == 0:
                 while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
                     pass
             cute.arch.barrier()
-        mine = gdQaccum_tile.iterator + tidx
+        mine = gdQaccum_tile.iterator + chunk * cute.size(acc_dQ) * self.num_threads + tidx
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             cute.arch.red(mine + i * self.num_threads, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
-        if cutlass.const_expr(self.deterministic):
+        if cutlass.const_expr(self.deterministic and chunk == self.dq_chunks - 1):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:
@@ -531,6 +560,14 @@ def store_acc_via_smem(acc: cute.Tensor, sX: cute.Tensor, gX: cute.Tensor, tiled
     elements into smem in the accumulator layout, then 16-byte vectors out (the accumulator
     layout alone allows only 4-byte global stores). The caller makes sure no thread still reads
     sX; rows at or past `rows_left` and columns past `head_dim` are not written."""
+    stage_acc_in_smem(acc, sX, tiled_mma, tidx)
+    cute.arch.barrier()
+    store_smem_tile(sX, gX, s2g, rows_left, head_dim, tidx)
+
+
+@cute.jit
+def stage_acc_in_smem(acc: cute.Tensor, sX: cute.Tensor, tiled_mma: cute.TiledMma, tidx: Int32):
+    """An fp32 accumulator tile, converted, into the smem tile sX as pairs of elements."""
     rX = cute.make_fragment_like(acc, sX.element_type)
     rX.store(acc.load().to(sX.element_type))
     r2s = cute.make_tiled_copy_C(
@@ -538,7 +575,12 @@ def store_acc_via_smem(acc: cute.Tensor, sX: cute.Tensor, gX: cute.Tensor, tiled
         tiled_mma,
     ).get_slice(tidx)
     cute.copy(r2s, r2s.retile(rX), r2s.partition_D(sX))
-    cute.arch.barrier()
+
+
+@cute.jit
+def store_smem_tile(sX: cute.Tensor, gX: cute.Tensor, s2g: cute.TiledCopy, rows_left: Int32,
+                    head_dim: cutlass.Constexpr[int], tidx: Int32):
+    """sX -> gX as 16-byte vectors, without rows at or past `rows_left` or columns past `head_dim`."""
     thr_s2g = s2g.get_slice(tidx)
     tXsX = thr_s2g.partition_S(sX)
     tXgX = thr_s2g.partition_D(gX)

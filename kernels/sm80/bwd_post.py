@@ -1,8 +1,8 @@
 """FlashAttention-2 backward postprocess for sm_80: dQ = softmax_scale * dQaccum in the input dtype.
 
 The main kernel accumulates dQ (w.r.t. the scaled scores) in an fp32 workspace of shape
-(batch, nheads, num_m_blocks * m_block_size * head_dim_padded), thread-major per query block
-(see kernels/sm80/bwd.py). One CTA per query block re-creates the main kernel's dQ tiled MMA,
+(batch, nheads, num_m_blocks * m_block_size * head_dim_padded), thread-major per column chunk of
+a query block (see kernels/sm80/bwd.py: dq_chunks). One CTA per query block re-creates the main kernel's dQ tiled MMA,
 so thread t reads back exactly the accumulator elements it would have held there (coalesced),
 scales and converts them, and puts them at their (row, col) of a swizzled smem tile, from which
 16-byte vectors go to dQ with the caller's strides (the accumulator layout alone would only
@@ -18,19 +18,20 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import gmem_tiled_copy, round_up, smem_layout_atom
-from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, store_acc_via_smem, tiled_mma_sm80
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, stage_acc_in_smem, store_smem_tile, tiled_mma_sm80
 
 
 class FlashAttnBwdPostprocessSm80:
     num_threads = FlashAttnBwdSm80.num_threads
 
-    def __init__(self, dtype, head_dim: int, m_block_size: int, atom_m_dq: int):
+    def __init__(self, dtype, head_dim: int, m_block_size: int, atom_m_dq: int, dq_chunks: int = 1):
         assert head_dim % 8 == 0 and head_dim <= 256
         self.dtype = dtype
         self.head_dim = head_dim
         self.head_dim_padded = round_up(head_dim, 32)
         self.m_block_size = m_block_size
         self.atom_m_dq = atom_m_dq
+        self.dq_chunks = dq_chunks
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
@@ -56,12 +57,16 @@ class FlashAttnBwdPostprocessSm80:
         m, d = self.m_block_size, self.head_dim_padded
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
-        acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((m, d)), Float32)
-        gAcc = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (m_block,))
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = gAcc[i * self.num_threads + tidx] * softmax_scale
-
         storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
+        gAcc = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (m_block,))
+        cols = d // self.dq_chunks
+        for chunk in cutlass.range_constexpr(self.dq_chunks):
+            acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((m, cols)), Float32)
+            first = chunk * cute.size(acc) * self.num_threads + tidx
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = gAcc[first + i * self.num_threads] * softmax_scale
+            stage_acc_in_smem(acc, cute.local_tile(sdQ, (m, cols), (0, chunk)), tiled_mma, tidx)
+        cute.arch.barrier()
         gdQ = cute.local_tile(mdQ[batch, None, head, None], (m, d), (m_block, 0))
-        store_acc_via_smem(acc, storage.sdQ.get_tensor(sdQ_layout), gdQ, tiled_mma, s2g,
-                           mdQ.shape[1] - m_block * m, self.head_dim, tidx)
+        store_smem_tile(sdQ, gdQ, s2g, mdQ.shape[1] - m_block * m, self.head_dim, tidx)

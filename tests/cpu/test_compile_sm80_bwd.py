@@ -14,7 +14,7 @@ from cute_flash.backward_sm80 import (
     pre_kernel_fake_args,
 )
 from cute_flash.compile_report import compile_report
-from cute_flash.kernels.sm80.bwd import SMEM_CAPACITY_SM80, FlashAttnBwdSm80
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, smem_capacity
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
 from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 
@@ -50,14 +50,19 @@ MAIN_TARGETS = (
     + [((BF16, 128, False, False, False), "sm_90a"), ((FP16, 128, True, False, True), "sm_90a"),
        ((FP16, 128, False, False, False), "sm_90a"), ((BF16, 128, False, True, False), "sm_90a"),
        ((FP16, 256, True, False, True), "sm_90a")]
+    # d = 192-256 keep a second Q buffer there, d = 256 computes dQ in 64-column chunks: grouped-
+    # query and deterministic variants of those, which sit at 255 registers too.
+    + [((BF16, 256, True, False, True), "sm_90a"), ((FP16, 256, False, True, True), "sm_90a"),
+       ((FP16, 256, False, False, False), "sm_90a"), ((BF16, 224, True, False, False), "sm_90a"),
+       ((FP16, 192, False, True, True), "sm_90a")]
 )
 
 
 @pytest.mark.parametrize("variant,arch", MAIN_TARGETS, ids=[f"{_id(v)}-{a}" for v, a in MAIN_TARGETS])
 def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
     dtype, head_dim, causal, deterministic, gqa = variant
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
-    assert FlashAttnBwdSm80.can_implement(dtype, head_dim, causal, **tiles)
+    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch, gqa)
+    assert FlashAttnBwdSm80.can_implement(dtype, head_dim, causal, arch, **tiles)
     kernel = FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles)
     with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
         report = compile_report(kernel, main_kernel_fake_args(dtype, head_dim, gqa), arch=arch)
@@ -71,13 +76,16 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(BF16, 64), (FP16, 40), (BF16, 256)])
-def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, capsys):
+# d = 256 on sm_90a reads dQ back in 64-column chunks.
+@pytest.mark.parametrize("dtype,head_dim,arch", [(BF16, 64, ARCH), (FP16, 40, ARCH), (BF16, 256, ARCH),
+                                                 (FP16, 256, "sm_90a")])
+def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, capsys):
     with capsys.disabled():
-        pre = compile_report(FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim), arch=ARCH)
-        tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, False)
-        post_kernel = FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"])
-        post = compile_report(post_kernel, post_kernel_fake_args(dtype, head_dim), arch=ARCH)
+        pre = compile_report(FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim), arch=arch)
+        tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, False, arch)
+        post_kernel = FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"],
+                                                  tiles["dq_chunks"])
+        post = compile_report(post_kernel, post_kernel_fake_args(dtype, head_dim), arch=arch)
     assert pre.spill_bytes == 0 and post.spill_bytes == 0
     assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
     assert "ld.global.b32" in post.ptx  # the workspace is read back one float per thread, coalesced
@@ -87,10 +95,10 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, capsys):
 def test_tiles_fit_and_cover_every_head_dim():
     for head_dim in range(8, 257, 8):
         for causal in (False, True):
-            for arch in (ARCH, "sm_90a"):
-                tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal, arch)
-                assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, **tiles), (head_dim, tiles)
-                assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= SMEM_CAPACITY_SM80
+            for arch, gqa in ((ARCH, False), ("sm_90a", False), ("sm_90a", True)):
+                tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal, arch, gqa)
+                assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, arch, **tiles), (head_dim, tiles)
+                assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= smem_capacity(arch)
     assert not FlashAttnBwdSm80.can_implement(cutlass.Float32, 64, False)
     assert not FlashAttnBwdSm80.can_implement(BF16, 260, False)
     assert not FlashAttnBwdSm80.can_implement(BF16, 44, False)
@@ -109,4 +117,12 @@ def test_compile_key_holds_only_code_generating_choices():
     h100_fp16 = FlashAttnBwdSm80.default_tiles(FP16, 128, True, "sm_90a")
     assert h100_fp16["p_in_registers"] and h100_fp16["atom_m_dq"] == 2
     assert FlashAttnBwdSm80.default_tiles(FP16, 256, False, "sm_90a")["p_in_registers"]
+    # The H100's smem holds a second Q buffer at d = 256, with dQ in four chunks; grouped-query
+    # heads give up the fp32 P there.
+    wide = FlashAttnBwdSm80.default_tiles(BF16, 256, False, "sm_90a")
+    assert (wide["num_stages_Q"], wide["num_stages_dO"], wide["dq_chunks"]) == (2, 1, 4)
+    assert FlashAttnBwdSm80.default_tiles(BF16, 256, False)["num_stages_Q"] == 1
+    assert not FlashAttnBwdSm80.default_tiles(BF16, 256, False, "sm_90a", gqa=True)["p_in_registers"]
+    assert main_kernel_key(BF16, 256, False, False, False, wide) != main_kernel_key(
+        BF16, 256, False, False, False, FlashAttnBwdSm80.default_tiles(BF16, 256, False))
     assert not FlashAttnBwdSm80.default_tiles(FP16, 256, False)["p_in_registers"]

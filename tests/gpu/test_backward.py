@@ -58,6 +58,24 @@ def test_backward_matches_float64_autograd(dtype, head_dim, seqlens, causal):
     assert_grads_close(run_backward(q, k, v, dout, causal), q, k, v, dout, causal)
 
 
+# On the H100, d = 192-256 keep a second Q buffer (and dO up to 224), and d = 256 computes dQ in
+# 64-column chunks, with the fp32 P only without grouped-query heads: those paths with grouped-query
+# heads and the deterministic order, in both dtypes.
+WIDE = [(torch.float16, 256, False, False, False), (torch.float16, 256, True, False, True),
+        (torch.bfloat16, 256, False, False, True), (torch.bfloat16, 256, True, True, False),
+        (torch.float16, 256, False, True, True), (torch.bfloat16, 224, False, False, True),
+        (torch.float16, 224, True, True, False), (torch.bfloat16, 192, True, False, True)]
+
+
+@pytest.mark.parametrize("dtype, head_dim, causal, deterministic, gqa", WIDE,
+                         ids=lambda c: str(c).split(".")[-1])
+def test_wide_head_dims_with_gqa_and_deterministic_order(dtype, head_dim, causal, deterministic, gqa):
+    q = randn(2, 517, 4, head_dim, dtype=dtype)
+    k, v = (randn(2, 333, 2 if gqa else 4, head_dim, dtype=dtype) for _ in range(2))
+    dout = randn(2, 517, 4, head_dim, dtype=dtype)
+    assert_grads_close(run_backward(q, k, v, dout, causal, deterministic), q, k, v, dout, causal)
+
+
 @pytest.mark.parametrize("nheads, nheads_kv", [(8, 2), (8, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_gqa_and_mqa_sum_over_query_heads(nheads, nheads_kv, causal):
