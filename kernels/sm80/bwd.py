@@ -114,8 +114,8 @@ class FlashAttnBwdSm80:
     def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
         """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
         (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
-        dO buffer wherever it fits in 163 KB
-        and registers. `arch` is the compile target: ptxas allocates registers differently for
+        dO buffer wherever it fits in the target's shared memory
+        (smem_capacity) and registers. `arch` is the compile target: ptxas allocates registers differently for
         sm_90a (the H100 runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
         d = round_up(head_dim, 32)
         if d <= 64:
@@ -146,9 +146,9 @@ class FlashAttnBwdSm80:
         if h100 and d == 256:
             # The H100's 227 KB hold a second Q buffer (FA2's choice there), which the registers
             # allow once dQ is computed 64 columns at a time over four warps' rows; grouped-query
-            # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured (session
-            # 31, interleaved, through autograd): the second Q buffer alone +4.5 to +5.5% bf16 and
-            # +8 to +9% fp16 non-causal, +1.6 to +5.5% causal (with spills).
+            # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured against one
+            # Q buffer (session 31, interleaved, through autograd): non-causal bf16 +7.6 to +8.9%,
+            # fp16 +8.6 to +9.2%, causal +1.2 to +5.4%; 2-3% more than two Q buffers with spills.
             tiles.update(dq_chunks=4, atom_m_dq=4, p_in_registers=not gqa)
         # At (64, 128), and at d = 256 on the H100, a second dO buffer costs the registers that
         # keep the kernel free of spills; at d <= 64 without causal masking one dO buffer measured
@@ -183,6 +183,7 @@ class FlashAttnBwdSm80:
             and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
             and d % (16 * warps // t["atom_n_dkv"]) == 0
             and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
+            and d % t.get("dq_chunks", 1) == 0
             and d // t.get("dq_chunks", 1) % (16 * warps // t["atom_m_dq"]) == 0
         )
         return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
