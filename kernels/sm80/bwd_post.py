@@ -2,8 +2,9 @@
 
 The main kernel accumulates dQ (w.r.t. the scaled scores) in an fp32 workspace of shape
 (batch, nheads, num_m_blocks * m_block_size * head_dim_padded), thread-major per column chunk of
-a query block (see kernels/sm80/bwd.py: dq_chunks). One CTA per query block re-creates the main kernel's dQ tiled MMA,
-so thread t reads back exactly the accumulator elements it would have held there (coalesced),
+a query block (see kernels/sm80/bwd.py: dq_chunks). One CTA per query block re-creates the main
+kernel's dQ tiled MMA, so thread t reads back exactly the accumulator elements it would have held
+there, chunk by chunk (coalesced),
 scales and converts them, and puts them at their (row, col) of a swizzled smem tile, from which
 16-byte vectors go to dQ with the caller's strides (the accumulator layout alone would only
 allow 4-byte stores).
