@@ -313,7 +313,8 @@ class FlashAttnFwdSm90:
           128 threads.
         * Mid (causal, 2049-4096 keys): the short settings, but the CTAs take their tiles from a
           global counter (dynamic_schedule) in the L2-grouped order, at 4k: d64 +1.3%, d96 +7.7%,
-          d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk.
+          d128 +3.0%, d192 +13%, d256 +1.2% against the static snake walk; d128 takes the long
+          kernel's 192 x 80 tiles (below).
         * Short non-causal d128, d192 and d256 (up to 1024 keys) take their tiles from the counter
           too: d128 +0.5-2.7% at 512 and 1k, d192 +1.6-3.0%, d256 0 to +4.6% at 512 and +-0.3% at
           1k (session 21, three runs, bf16 and fp16, one call after an L2 flush): a static walk's
@@ -341,10 +342,13 @@ class FlashAttnFwdSm90:
           d128 427 vs 636 TFLOP/s: CTAs whose tiles were short raced ahead over other heads' K/V);
           the counter keeps the tiles in flight a window of the longest-first order. Against one
           CTA per tile: causal d64 +4.1% / +2.2% at 8k / 16k, d256 +2.6% / +1.8%, d96 / d192 +1-2%
-          at 8k, d128 with two K/V stages, two Q stages and per-group O stores +5.1% / +1.9%;
-          non-causal d96 +8%, d192 +2%, d256 +1-1.5%. Non-causal d128 runs 192 x 80 tiles (three
-          consumer warp groups, three K/V stages): +1-3% at 4k-16k over 128 x 128, and +2% with
-          the counter over a static walk. Most short problems keep the static walk (the counter:
+          at 8k, d128 (then on 128 x 128) +5.1% / +1.9%; non-causal d96 +8%, d192 +2%, d256
+          +1-1.5%. d128 runs 192 x 80 tiles (three consumer warp groups, three K/V stages):
+          non-causal +1-3% at 4k-16k over 128 x 128, and +2% with the counter over a static walk;
+          causal (mid too) with lazy rescaling +6.5-8.0% at 4k, +9.5-11% at 8k-16k over 128 x 128
+          with two K/V and two Q stages, eager (session 32, two interleaved runs, bf16 and fp16;
+          eager on 192 x 80 -1 to -2.5%, two K/V stages or per-group O stores within +-1.5%, the
+          same tiles at 2k -3%). Most short problems keep the static walk (the counter:
           causal d64 -10% at 1k; see below for the exceptions). Long non-causal d64 keeps the DSL's
           sleeping pipeline waits (spin_waits: -1 to -2% there) and drops the row-max checks it
           does not need (lean_row_max, see __init__: +0.0 to +1.8% at 8k-16k).
@@ -352,9 +356,9 @@ class FlashAttnFwdSm90:
           interleaved, bf16 / fp16): non-causal d128 +5.6 to +7.3% at 4k-16k, d96 +2.6 / +5.3% at
           8k, d192 +2.6 / +1.2% at 8k, d256 -0.2 to +3.8% at 4k-16k; causal d96 +4.0 to +6.5% at
           4k-8k, d192 +0.8 to +8.3%, d256 -0.9 to +4.9%, d64 -0.8 to +2.7%; but non-causal d64 -1.7
-          to +0.7% (off there), and causal d128 +0.3 to +2.8% only with a register spilled in the
-          producer (ptxas, the rare branch; spill-free with recompute_epilogue, which gives the gain
-          back): off there. Short problems: within -1.6 to +1.8%, not used.
+          to +0.7% (off there). Causal d128 gains only on 192 x 80 tiles (above): on 128 x 128 it
+          was +0.3 to +2.8% with a register spilled in the producer. Short problems: within -1.6
+          to +1.8%, not used.
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
         * q_by_group (see __init__; session 8, interleaved runs 3-9 of the variant log): d256 short and mid +0.7 to
@@ -393,9 +397,10 @@ class FlashAttnFwdSm90:
         up_to_1k = up_to_512 or length == "short"
         short = up_to_1k or length == "short_2k"
         three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and not up_to_1k else {}
-        # Long and mid kernels but two: non-causal d64 (-1.7 to +0.7%), and causal d128, where
-        # ptxas spills a register in the producer once the mainloop has the rare rescale branch.
-        lazy_rescale = not (head_dim <= 64 and not causal) and not (96 < head_dim <= 128 and causal)
+        # Long and mid kernels but non-causal d64 (-1.7 to +0.7%).
+        lazy_rescale = not (head_dim <= 64 and not causal)
+        # d128 from mid on, causal or not: three consumer warp groups of 64 x 80, three K/V stages.
+        three_groups_d128 = dict(tile_m=192, tile_n=80, num_stages=3) if 96 < head_dim <= 128 else {}
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
             if lazy_rescale:
@@ -407,11 +412,7 @@ class FlashAttnFwdSm90:
                 config.update(wg_epilogue=True, q_by_group=True)
             if three_groups_d96 and causal:
                 config["recompute_epilogue"] = True
-            if 96 < head_dim <= 128:
-                if causal:
-                    config.update(num_stages=2, q_stages=2, wg_epilogue=True)
-                else:
-                    config.update(tile_m=192, tile_n=80, num_stages=3)
+            config.update(three_groups_d128)
             return config
         config = dict(num_sms=num_sms, **three_groups_d96)
         late_rescale = length == "short_2k" and not causal
@@ -427,11 +428,13 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if length == "mid" and lazy_rescale:
             config["lazy_rescale"] = True
-        if 96 < head_dim <= 128:
+        if three_groups_d128 and not short:  # mid: the long kernel's tiles, O stored by all groups
+            config.update(three_groups_d128, wg_epilogue=False)
+        elif three_groups_d128:
             config.update(num_stages=2, q_stages=2)
-            if short and causal:
+            if causal:
                 config["recompute_epilogue"] = True
-            elif short:
+            else:
                 config.update(q_by_group=True, rescale_o_early=not late_rescale, spin_waits=late_rescale)
         if head_dim > 192:
             config["q_by_group"] = True

@@ -74,13 +74,16 @@ VARIANTS = [
                                         dynamic_schedule=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
-    # Long and mid problems rescale lazily (lazy_rescale), but for non-causal d64 and causal d128.
+    # Long and mid problems rescale lazily (lazy_rescale), but for non-causal d64; causal d128 from
+    # mid on runs the non-causal kernel's tiles.
     (cutlass.BFloat16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
                                         dynamic_schedule=True, lazy_rescale=True)),
     (cutlass.Float16, 128, False, dict(tile_m=192, tile_n=80, num_stages=3, rescale_if_moved=True,
                                        dynamic_schedule=True, lazy_rescale=True)),
-    (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="l2", wg_epilogue=True,
-                                       q_stages=2, dynamic_schedule=True)),
+    (cutlass.BFloat16, 128, True, dict(tile_m=192, tile_n=80, num_stages=3, lpt="l2", dynamic_schedule=True,
+                                       lazy_rescale=True)),
+    (cutlass.Float16, 128, True, dict(tile_m=192, tile_n=80, num_stages=3, lpt="l2", dynamic_schedule=True,
+                                      lazy_rescale=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="l2", dynamic_schedule=True,
                                       lazy_rescale=True)),
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True,

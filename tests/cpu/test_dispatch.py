@@ -57,9 +57,15 @@ def test_length_buckets_reach_the_sm90_launch_settings():
     short = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="short", num_sms=132).init_kwargs)
     long = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="long", num_sms=132).init_kwargs)
     assert short["num_sms"] == 132 and short["num_stages"] == 2 and short["lpt"] == "head"
-    # Long causal d128: persistent CTAs taking tiles from the global counter in the L2-grouped order.
-    assert long["num_sms"] == 132 and long["dynamic_schedule"] and long["num_stages"] == 2
-    assert long["lpt"] == "l2" and long["q_stages"] == 2
+    # Long causal d128: persistent CTAs taking tiles from the global counter in the L2-grouped order,
+    # on the non-causal kernel's 192 x 80 tiles with three K/V stages; mid causal d128 too.
+    assert long["num_sms"] == 132 and long["dynamic_schedule"] and long["num_stages"] == 3
+    assert long["lpt"] == "l2" and long.get("q_stages", 1) == 1
+    mid = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, length="mid", num_sms=132).init_kwargs)
+    for plan in (long, mid):
+        assert (plan["tile_m"], plan["tile_n"], plan["num_stages"]) == (192, 80, 3)
+        assert not plan.get("wg_epilogue", False) and plan.get("q_stages", 1) == 1
+    assert (short["tile_m"], short["tile_n"], short["q_stages"]) == (128, 128, 2)
     # Long non-causal d128: 192 x 80 tiles; d64: next tile's blocks prefetched on short problems,
     # the dynamic schedule on long ones.
     long_full = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, length="long", num_sms=132).init_kwargs)
@@ -94,14 +100,14 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         assert not short64.get("lean_row_max", False)
         assert not short64.get("recompute_epilogue", False)
         assert short64["wg_epilogue"] and short64["q_stages"] == 2
-    # Lazy rescaling on long and mid problems (all causal ones from 2049 keys), but for non-causal d64
-    # and causal d128; the kernel then never rescales O early nor tests row factors for 1.
+    # Lazy rescaling on long and mid problems (all causal ones from 2049 keys), but for non-causal d64;
+    # the kernel then never rescales O early nor tests row factors for 1.
     for head_dim in (64, 96, 128, 192, 256):
         for causal in (False, True):
             for length in dispatch.length_classes(causal):
                 plan = dict(dispatch.plan_forward((9, 0), torch.float16, head_dim, causal, length=length,
                                                   num_sms=132).init_kwargs)
-                lazy = length in ("mid", "long") and (causal or head_dim > 64) and not (head_dim == 128 and causal)
+                lazy = length in ("mid", "long") and (causal or head_dim > 64)
                 assert plan.get("lazy_rescale", False) == lazy, (head_dim, causal, length)
                 kernel = FlashAttnFwdSm90(**plan)
                 assert kernel.lazy_rescale == lazy
