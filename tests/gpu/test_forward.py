@@ -116,7 +116,7 @@ def test_long_sequences(family, head_dim, causal):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 def test_mid_causal(family, head_dim):
     """Causal problems with 2049-4096 keys ("mid", dispatch.length_class) run persistent CTAs on
-    their own tiles (causal d64 and d96: 192 rows instead of 128), here with more tiles than SMs."""
+    their own tiles (causal d64, d96 and d128: 192 rows instead of 128), here with more tiles than SMs."""
     torch.manual_seed(head_dim + 11)
     assert dispatch.length_class(3500, True) == "mid"
     check_shape(2, (3001, 3500), 8, 4, head_dim, True)
