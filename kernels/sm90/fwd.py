@@ -428,8 +428,9 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if length == "mid" and lazy_rescale:
             config["lazy_rescale"] = True
-        if three_groups_d128 and not short:  # mid: the long kernel's tiles, O stored by all groups
-            config.update(three_groups_d128, wg_epilogue=False)
+        if three_groups_d128 and not short:  # mid: the long kernel, which stores O from all groups
+            config.pop("wg_epilogue")
+            config.update(three_groups_d128)
         elif three_groups_d128:
             config.update(num_stages=2, q_stages=2)
             if causal:
