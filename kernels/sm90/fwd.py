@@ -400,7 +400,7 @@ class FlashAttnFwdSm90:
         # Long and mid kernels but non-causal d64 (-1.7 to +0.7%).
         lazy_rescale = not (head_dim <= 64 and not causal)
         # d128 from mid on, causal or not: three consumer warp groups of 64 x 80, three K/V stages.
-        three_groups_d128 = dict(tile_m=192, tile_n=80, num_stages=3) if 96 < head_dim <= 128 else {}
+        three_groups_d128 = dict(tile_m=192, tile_n=80, num_stages=3) if 96 < head_dim <= 128 and not short else {}
         if length == "long":
             config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
             if lazy_rescale:
@@ -428,10 +428,10 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if length == "mid" and lazy_rescale:
             config["lazy_rescale"] = True
-        if three_groups_d128 and not short:  # mid: the long kernel, which stores O from all groups
+        if three_groups_d128:  # mid: the long kernel, which stores O from all groups
             config.pop("wg_epilogue")
             config.update(three_groups_d128)
-        elif three_groups_d128:
+        elif 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
             if causal:
                 config["recompute_epilogue"] = True
