@@ -14,7 +14,8 @@ the saved log-sum-exp instead of storing anything of size seqlen_q x seqlen_k:
     dQ_i += dS K_j                          fp32 atomics into a workspace (postprocess scales it)
 
 The dQ workspace is thread-major: element i of thread t's dQ accumulator for query block m_block
-lives at m_block * tile + i * num_threads + t of its (batch, head) row, so each warp-wide reduction
+(for column chunk c of it, with dq_chunks) lives at m_block * tile + c * chunk + i * num_threads + t
+of its (batch, head) row (dq_accum_offset), so each warp-wide reduction
 covers 32 consecutive floats (4 full sectors) and every address is one base register plus an
 immediate. Only the postprocess, which partitions the same tiled MMA, knows where (row, col) is.
 
@@ -533,7 +534,7 @@ class FlashAttnBwdSm80:
                 while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
                     pass
             cute.arch.barrier()
-        mine = gdQaccum_tile.iterator + chunk * cute.size(acc_dQ) * self.num_threads + tidx
+        mine = gdQaccum_tile.iterator + dq_accum_offset(chunk, cute.size(acc_dQ), tidx)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             cute.arch.red(mine + i * self.num_threads, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
         if cutlass.const_expr(self.deterministic and chunk == self.dq_chunks - 1):
@@ -564,6 +565,13 @@ def store_acc_via_smem(acc: cute.Tensor, sX: cute.Tensor, gX: cute.Tensor, tiled
     stage_acc_in_smem(acc, sX, tiled_mma, tidx)
     cute.arch.barrier()
     store_smem_tile(sX, gX, s2g, rows_left, head_dim, tidx)
+
+
+def dq_accum_offset(chunk: int, chunk_elems: int, tidx: Int32) -> Int32:
+    """Where thread `tidx`'s first element of dQ column chunk `chunk` sits in a query block's fp32
+    workspace: chunk after chunk, thread-major within each (element i at + i * num_threads). The
+    main kernel adds there and the postprocess reads back from there."""
+    return chunk * chunk_elems * FlashAttnBwdSm80.num_threads + tidx
 
 
 @cute.jit

@@ -19,7 +19,9 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import gmem_tiled_copy, round_up, smem_layout_atom
-from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, stage_acc_in_smem, store_smem_tile, tiled_mma_sm80
+from cute_flash.kernels.sm80.bwd import (
+    FlashAttnBwdSm80, dq_accum_offset, stage_acc_in_smem, store_smem_tile, tiled_mma_sm80,
+)
 
 
 class FlashAttnBwdPostprocessSm80:
@@ -64,7 +66,7 @@ class FlashAttnBwdPostprocessSm80:
         cols = d // self.dq_chunks
         for chunk in cutlass.range_constexpr(self.dq_chunks):
             acc = cute.make_rmem_tensor(tiled_mma.get_slice(tidx).partition_shape_C((m, cols)), Float32)
-            first = chunk * cute.size(acc) * self.num_threads + tidx
+            first = dq_accum_offset(chunk, cute.size(acc), tidx)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 acc[i] = gAcc[first + i * self.num_threads] * softmax_scale
             stage_acc_in_smem(acc, cute.local_tile(sdQ, (m, cols), (0, chunk)), tiled_mma, tidx)
