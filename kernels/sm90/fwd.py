@@ -109,7 +109,6 @@ class FlashAttnFwdSm90:
         wg_tma_store: bool = False,
         lean_row_max: bool = False,
         lazy_rescale: bool = False,
-        overlap_tiles: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -205,14 +204,6 @@ class FlashAttnFwdSm90:
         # +0.3-0.8% over the late release, causal -4.3% at 512 (length_config).
         self.release_q_early = release_q_early and self.o_from_registers
         self.num_wg_mma = tile_m // 64
-        # Persistent CTAs, overlap inside a warp group: a tile's last PV GEMM and the next tile's
-        # first S GEMM are issued in one ping-pong turn, so that S GEMM runs during this tile's
-        # epilogue instead of after it. The next tile's Q must be in smem by then: a second Q
-        # stage, or Q's only buffer released before the epilogue (O does not pass through it).
-        self.overlap_tiles = (
-            overlap_tiles and intra_wg_overlap and num_sms > 0
-            and (q_stages > 1 or self.separate_o or self.o_from_registers)
-        )
         # Row maxima after the first block without the checks nothing needs: non-causal rows always
         # have a finite max (every block but a tile's first is unmasked, and the first holds a key),
         # and without rescale_if_moved no one tests the row factor for exactly 1: 8 fewer
@@ -429,8 +420,6 @@ class FlashAttnFwdSm90:
             config["wg_epilogue"] = True
             if short and head_dim <= 128 and not (causal and head_dim <= 64):
                 config["wg_tma_store"] = True
-        if short:
-            config["overlap_tiles"] = True
         if causal and short:
             config.update(lpt="head", planned_tail=True)
         elif causal:
@@ -1098,18 +1087,6 @@ class FlashAttnFwdSm90:
         if const_expr(self.dynamic_schedule):
             sched_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, _SCHED_STAGES)
             unit, sched_state = self.receive_unit(sched, sched_state)
-        e = SimpleNamespace(
-            tidx=tidx, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=num_heads, num_batch=num_batch,
-            split=split, tiled_mma_pv=tiled_mma_pv, softmax=softmax, acc_O=acc_O,
-            smem_copy_O=smem_copy_O, sO=sO, tma_atom_O=tma_atom_O, mO=mO, mO_gmem=mO_gmem, gmem_copy_O=gmem_copy_O,
-            mLSE=mLSE, wg_idx=wg_idx, pipeline_q=pipeline_q,
-        )
-        # overlap_tiles: whether this warp group issued (and softmaxed) the current tile's first
-        # block at the end of the previous tile.
-        first_done = cutlass.Boolean(False)
-        if const_expr(self.overlap_tiles):
-            acc_O.fill(0.0)
-            softmax.reset()
         while unit < num_units:
             next_unit = unit
             if const_expr(self.planned_tail):
@@ -1118,14 +1095,16 @@ class FlashAttnFwdSm90:
             m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
                 unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
             )
-            if const_expr(not self.overlap_tiles):
-                acc_O.fill(0.0)
-                softmax.reset()
+            acc_O.fill(0.0)
+            softmax.reset()
             q_buffer = q_state.index // self.q_pieces  # this tile's Q stage (a piece's stage with q_by_group)
-            c = self.tile_context(tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, thr_qk,
-                                  softmax, pipeline_q, pipeline_k, pipeline_v, wg_idx, seqlen_q, seqlen_k,
-                                  row_scale, m_block, q_state)
-            runs_mainloop = cutlass.Boolean(False)
+            c = SimpleNamespace(
+                tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
+                tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
+                pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
+                seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_buffer,
+                pipeline_q=pipeline_q, q_state=q_state,
+            )
             if n_block_max > n_block_min:
                 self.wait_full(pipeline_q, q_state)
                 wg_n_block_max = self.wg_n_block_max(c, n_block_min, n_block_max, block_ranges)
@@ -1134,62 +1113,41 @@ class FlashAttnFwdSm90:
                     c, kv_state, n_block_max - cutlass.max(wg_n_block_max, n_block_min), runs_mainloop
                 )
                 if runs_mainloop:
-                    kv_state = self.mainloop(c, kv_state, n_block_min, wg_n_block_max, block_ranges, first_done)
-                    if const_expr(self.intra_wg_overlap and not self.overlap_tiles):
-                        kv_state = self.finish_tile(c, kv_state, c, overlaps_next=False)
+                    kv_state = self.mainloop(c, kv_state, n_block_min, wg_n_block_max, block_ranges)
                 if const_expr(self.separate_o or (self.o_from_registers and not self.release_q_early)):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
                 elif const_expr(self.release_q_early):
                     if not runs_mainloop:  # else the mainloop released Q after its last S GEMM
                         pipeline_q.consumer_release(q_state)
-            tile = SimpleNamespace(unit=unit, m_block=m_block, head=head, batch=batch, slot=slot, q_buffer=q_buffer)
-            overlaps_next = cutlass.Boolean(False)
-            if const_expr(self.overlap_tiles):
-                if const_expr(self.dynamic_schedule):
-                    next_unit, sched_state = self.receive_unit(sched, sched_state)
-                elif const_expr(not self.planned_tail):
-                    next_unit = self.unit_of_round(round_idx + 1, walk_plan)
-                q_state_next = q_state.clone()
-                for _ in cutlass.range_constexpr(self.q_pieces):
-                    q_state_next.advance()
-                # A unit past the end (or a plan's empty entry) yields harmless coordinates.
-                m_block_next, _, _, n_block_min_next, n_block_max_next, _ = self.unit_work(
-                    next_unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+            tidx_tile = tidx
+            if const_expr(self.recompute_epilogue):
+                # From values the compiler cannot see through, so that what the epilogue derives
+                # from them is not hoisted out of the tile loop (see __init__).
+                tidx_tile = opaque_i32(tidx)
+                m_block, head, batch, n_block_min, n_block_max, slot = self.unit_work(
+                    opaque_i32(unit), seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
                 )
-                c_next = self.tile_context(
-                    tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, thr_qk, softmax,
-                    pipeline_q, pipeline_k, pipeline_v, wg_idx, seqlen_q, seqlen_k, row_scale, m_block_next,
-                    q_state_next,
-                )
-                # Only a group that starts the next tile at its first block (no blocks to pass).
-                if runs_mainloop:
-                    if next_unit < num_units:
-                        if n_block_max_next > n_block_min_next:
-                            overlaps_next = self.wg_n_block_max(
-                                c_next, n_block_min_next, n_block_max_next, block_ranges
-                            ) == n_block_max_next
-                if overlaps_next:
-                    kv_state = self.finish_tile(c, kv_state, c_next, True)
-                else:
-                    if runs_mainloop:
-                        kv_state = self.finish_tile(c, kv_state, c, False)
-                    elif n_block_max > n_block_min:
-                        # The turn finish_tile takes, so that the groups keep taking turns in step.
-                        self.sched_wait(wg_idx)
-                        self.sched_signal(wg_idx)
-                self.end_tile(e, tile)
-                # The next tile's first S GEMM, if finish_tile issued it, ran during the epilogue.
-                # One wait on every path: ptxas serializes every wgmma of the kernel when a
-                # GEMM may still be in flight where paths merge.
-                warpgroup.wait_group(0)
-                acc_O.fill(0.0)
-                softmax.reset()
-                if overlaps_next:
-                    self.first_block_softmax(c_next, kv_state, n_block_max_next)
-                first_done = overlaps_next
+            tOcO_mn = reshape_acc_to_mn(
+                tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+            )
+            softmax.rescale_O(acc_O, softmax.finalize())
+            if const_expr(self.o_from_registers):
+                store = partial(self.store_O_from_registers, acc_O, softmax.row_sum, tOcO_mn, tidx_tile, mO_gmem,
+                                mLSE, m_block, head, batch, seqlen_q)
             else:
-                self.end_tile(e, tile)
+                # O through its own buffer, or through this tile's stage of Q's.
+                sO_tile = sO if const_expr(self.separate_o) else sO[None, None, q_buffer]
+                store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O,
+                                mO, mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
+            if const_expr(self.splits_tail):
+                if slot < 0:
+                    store()
+                else:
+                    self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx_tile, slot, split, mO_gmem, mLSE,
+                                      m_block, head, batch, seqlen_q)
+            else:
+                store()
             if n_block_max > n_block_min:
                 if const_expr(not (self.separate_o or self.o_from_registers)):
                     # O went out through Q's buffer; the epilogue waited until TMA had read it.
@@ -1197,10 +1155,10 @@ class FlashAttnFwdSm90:
                 for _ in cutlass.range_constexpr(self.q_pieces):
                     q_state.advance()
             round_idx += 1
-            if const_expr(self.overlap_tiles or self.planned_tail):
-                unit = next_unit
-            elif const_expr(self.dynamic_schedule):
+            if const_expr(self.dynamic_schedule):
                 unit, sched_state = self.receive_unit(sched, sched_state)
+            elif const_expr(self.planned_tail):
+                unit = next_unit
             else:
                 unit = self.unit_of_round(round_idx, walk_plan)
         if const_expr(self.wg_tma_store):
@@ -1209,45 +1167,9 @@ class FlashAttnFwdSm90:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def end_tile(self, e, tile):
-        """Algorithm 1's lines 12-15 for one tile: O normalized and stored with its LSE, or handed
-        to the tail split's merge."""
-        tidx = e.tidx
-        m_block, head, batch, slot = tile.m_block, tile.head, tile.batch, tile.slot
-        if const_expr(self.recompute_epilogue):
-            # From values the compiler cannot see through, so that what the epilogue derives
-            # from them is not hoisted out of the tile loop (see __init__).
-            tidx = opaque_i32(e.tidx)
-            m_block, head, batch, _, _, slot = self.unit_work(
-                opaque_i32(tile.unit), e.seqlen_q, e.seqlen_k, e.num_heads, e.num_batch,
-                BlockRanges(self.tile_m, self.tile_n, self.causal), e.split,
-            )
-        tOcO_mn = reshape_acc_to_mn(
-            e.tiled_mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
-        )
-        e.softmax.rescale_O(e.acc_O, e.softmax.finalize())
-        if const_expr(self.o_from_registers):
-            store = partial(self.store_O_from_registers, e.acc_O, e.softmax.row_sum, tOcO_mn, tidx, e.mO_gmem,
-                            e.mLSE, m_block, head, batch, e.seqlen_q)
-        else:
-            # O through its own buffer, or through this tile's stage of Q's.
-            sO_tile = e.sO if const_expr(self.separate_o) else e.sO[None, None, tile.q_buffer]
-            store = partial(self.epilogue, e.acc_O, e.softmax.row_sum, tOcO_mn, e.smem_copy_O, sO_tile, e.tma_atom_O,
-                            e.mO, e.mO_gmem, e.gmem_copy_O, e.mLSE, tidx, e.wg_idx, m_block, head, batch, e.seqlen_q)
-        if const_expr(self.splits_tail):
-            if slot < 0:
-                store()
-            else:
-                self.merge_pieces(e.acc_O, e.softmax.row_sum, tOcO_mn, tidx, slot, e.split, e.mO_gmem, e.mLSE,
-                                  m_block, head, batch, e.seqlen_q)
-        else:
-            store()
-
-    @cute.jit
-    def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges, first_done):
+    def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):
         """Algorithm 1's inner loop over the K/V blocks [n_block_min, n_block_max) of one unit,
-        last block first; with the overlap inside a warp group, up to the last block's PV GEMM
-        (finish_tile)."""
+        last block first."""
         n_block_causal = n_block_max
         if const_expr(self.causal):
             n_block_causal = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
@@ -1255,13 +1177,16 @@ class FlashAttnFwdSm90:
         # piece's last block is inside seqlen_k unless the piece ends the row: masking is harmless).
         n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
         if const_expr(self.intra_wg_overlap):
-            # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM. With
-            # overlap_tiles it may have run already, during the previous tile's epilogue.
-            if not first_done:
-                self.wait_full(c.pipeline_k, kv_state)
-                self.gemm_qk(c, kv_state.index)
-                warpgroup.wait_group(0)
-                self.first_block_softmax(c, kv_state, n_block_max)
+            # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM.
+            self.wait_full(c.pipeline_k, kv_state)
+            self.gemm_qk(c, kv_state.index)
+            warpgroup.wait_group(0)
+            c.pipeline_k.consumer_release(kv_state)
+            self.mask(c, n_block_max - 1, True, self.causal)
+            c.softmax.online_softmax(c.acc_S, is_first=True)
+            if const_expr(self.rescale_o_early):
+                c.row_scale.fill(1.0)  # O is still zero: nothing to rescale before the first PV GEMM
+            self.convert_P(c)
             if const_expr(self.causal):
                 for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
                     kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
@@ -1270,7 +1195,13 @@ class FlashAttnFwdSm90:
             if const_expr(self.release_q_early):
                 # The S GEMMs are done and O will not pass through Q's buffer: the next Q may load.
                 c.pipeline_q.consumer_release(c.q_state)
-            # The last block's PV GEMM: finish_tile.
+            if const_expr(self.rescale_o_early):
+                c.softmax.rescale_O(c.acc_O, c.row_scale)
+            self.wait_full(c.pipeline_v, kv_state)
+            self.gemm_pv(c, kv_state.index)
+            warpgroup.wait_group(0)
+            c.pipeline_v.consumer_release(kv_state)
+            kv_state.advance()
         else:
             kv_state = self.one_block_serial(c, kv_state, n_block_max - 1, True, self.causal, True)
             for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
@@ -1297,58 +1228,6 @@ class FlashAttnFwdSm90:
                     n_block_max, block_ranges.n_block_end(wg_row + 64, c.seqlen_q, c.seqlen_k)
                 )
         return wg_n_block_max
-
-    @cute.jit
-    def first_block_softmax(self, c, kv_state, n_block_max):
-        """The softmax of a tile's first block (the last K/V block, masked), once its S GEMM is done."""
-        c.pipeline_k.consumer_release(kv_state)
-        self.mask(c, n_block_max - 1, True, self.causal)
-        c.softmax.online_softmax(c.acc_S, is_first=True)
-        if const_expr(self.rescale_o_early):
-            c.row_scale.fill(1.0)  # O is still zero: nothing to rescale before the first PV GEMM
-        self.convert_P(c)
-
-    @cute.jit
-    def finish_tile(self, c, kv_state, c_next, overlaps_next: cutlass.Constexpr[bool]):
-        """The last PV GEMM of a tile's mainloop (overlap inside a warp group). With overlap_tiles
-        it takes a ping-pong turn and, when overlaps_next, issues the next tile's first S GEMM
-        (c_next) behind it: that GEMM runs during this tile's epilogue, and kv_state is then its
-        block. Returns the state of the next block to consume."""
-        if const_expr(self.overlap_tiles):
-            self.sched_wait(c.wg_idx)
-        if const_expr(self.rescale_o_early):
-            c.softmax.rescale_O(c.acc_O, c.row_scale)
-        self.wait_full(c.pipeline_v, kv_state)
-        self.gemm_pv(c, kv_state.index)
-        if const_expr(self.overlap_tiles):
-            if const_expr(overlaps_next):
-                kv_state_next = kv_state.clone()
-                kv_state_next.advance()
-                self.wait_full(c_next.pipeline_q, c_next.q_state)
-                self.wait_full(c_next.pipeline_k, kv_state_next)
-                self.gemm_qk(c_next, kv_state_next.index)
-            self.sched_signal(c.wg_idx)
-            if const_expr(overlaps_next):
-                warpgroup.wait_group(1)  # the PV GEMM is done; the S GEMM may still run
-            else:
-                warpgroup.wait_group(0)
-        else:
-            warpgroup.wait_group(0)
-        c.pipeline_v.consumer_release(kv_state)
-        kv_state.advance()
-        return kv_state
-
-    def tile_context(self, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_S, acc_O, tOrP, thr_qk, softmax,
-                     pipeline_q, pipeline_k, pipeline_v, wg_idx, seqlen_q, seqlen_k, row_scale, m_block, q_state):
-        """What the mainloop's pieces need of one tile: its m_block and its Q stage, with the
-        warp group's fragments and pipelines."""
-        return SimpleNamespace(
-            tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
-            tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
-            pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-            seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_state.index // self.q_pieces,
-            pipeline_q=pipeline_q, q_state=q_state,
-        )
 
     @cute.jit
     def pass_blocks(self, c, kv_state, num_blocks, mainloop_follows):
