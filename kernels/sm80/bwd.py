@@ -52,9 +52,14 @@ SMEM_CAPACITY_SM80 = 163 * 1024
 SMEM_CAPACITY_SM90 = 227 * 1024  # the H100 runs this kernel too, with its larger opt-in smem
 
 
+def targets_sm90(arch: str) -> bool:
+    """Whether a compile target is the H100's (sm_90 / sm_90a), which runs this kernel too."""
+    return arch.startswith("sm_90")
+
+
 def smem_capacity(arch: str) -> int:
     """Opt-in shared memory per CTA on a compile target."""
-    return SMEM_CAPACITY_SM90 if arch.startswith("sm_90") else SMEM_CAPACITY_SM80
+    return SMEM_CAPACITY_SM90 if targets_sm90(arch) else SMEM_CAPACITY_SM80
 
 
 @cute.jit
@@ -115,9 +120,9 @@ class FlashAttnBwdSm80:
     def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
         """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
         (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
-        dO buffer wherever it fits in the target's shared memory
-        (smem_capacity) and registers. `arch` is the compile target: ptxas allocates registers differently for
-        sm_90a (the H100 runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
+        dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
+        `arch` is the compile target: ptxas allocates registers differently for sm_90a (the H100
+        runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
         d = round_up(head_dim, 32)
         if d <= 64:
             tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
@@ -139,7 +144,7 @@ class FlashAttnBwdSm80:
         # bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose 1.3-2.5%),
         # fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to +1.1%, fp16 +0.1
         # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
-        h100 = arch.startswith("sm_90")
+        h100 = targets_sm90(arch)
         tiles["p_in_registers"] = h100 or d not in (128, 256)
         tiles["dq_chunks"] = 1
         if h100 and d == 128 and dtype is cutlass.BFloat16:
