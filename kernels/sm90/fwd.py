@@ -109,6 +109,7 @@ class FlashAttnFwdSm90:
         wg_tma_store: bool = False,
         lean_row_max: bool = False,
         lazy_rescale: bool = False,
+        unchecked_exp: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -134,6 +135,12 @@ class FlashAttnFwdSm90:
         # multiplies: long non-causal d128 383 -> 313 SASS instructions per block, d256 501 ->
         # 373, d64 418 -> 388. Measured: long non-causal d128 +6-7% (length_config).
         self.lazy_rescale = lazy_rescale and intra_wg_overlap
+        # Lazy rescaling with the exponentials started before this block's row maxima: against the
+        # running max, with each thread checking its own scores alongside, and the block redone
+        # from S in the rare case that a row of the warp grew (softmax.py: exponentiate_unchecked).
+        # The row max's shuffles leave the path from S to P. Non-causal only: its rows have a
+        # finite max after a tile's first block.
+        self.unchecked_exp = unchecked_exp and self.lazy_rescale and not causal
         self.rescale_o_early = rescale_o_early and intra_wg_overlap and not self.lazy_rescale
         # Skip O's rescale for a block when no row max of the warp moved (row_scale is then 1).
         # Measured (interleaved A/B, bf16): non-causal d128 +1% at 2k, +0-4% at 4k, +4% at 8k,
@@ -1255,6 +1262,10 @@ class FlashAttnFwdSm90:
         gemm(c.tiled_mma_qk, c.acc_S, c.tSrQ[None, None, None, c.q_index], c.tSrK[None, None, None, stage],
              zero_init=True)
 
+    def recompute_S(self, c, stage):
+        self.gemm_qk(c, stage)
+        warpgroup.wait_group(0)
+
     def gemm_pv(self, c, stage):
         gemm(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, stage], zero_init=False)
 
@@ -1283,6 +1294,15 @@ class FlashAttnFwdSm90:
         self.gemm_pv(c, kv_state_v.index)
         self.sched_signal(c.wg_idx)
         warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
+        if const_expr(self.unchecked_exp):
+            block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
+            grows = c.softmax.exponentiate_unchecked(c.acc_S, block_sum)
+            warpgroup.wait_group(0)
+            c.softmax.redo_if_grown(grows, partial(self.recompute_S, c, kv_state.index), c.acc_S, c.acc_O, block_sum)
+            c.pipeline_k.consumer_release(kv_state)
+            c.pipeline_v.consumer_release(kv_state_v)
+            self.convert_P(c)
+            return kv_state
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
