@@ -60,6 +60,7 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 _EPILOGUE_BARRIER = 1  # + warp group index when each group stores its own rows (wg_epilogue)
 _SCHED_BARRIER_BASE = 4
 _SPLIT_BARRIER = 8  # consumer warp groups around a tail-split piece's hand-off
+_GROWS_BARRIER_BASE = 9  # + warp group index: the group's vote on redoing a block (unchecked_exp)
 
 _SMEM_BYTES = 227 * 1024
 _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running heads may fill
@@ -1296,7 +1297,8 @@ class FlashAttnFwdSm90:
         warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
         if const_expr(self.unchecked_exp):
             block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
-            grows = c.softmax.exponentiate_unchecked(c.acc_S, block_sum)
+            # The redo issues a wgmma, so all four warps of the group must take it together.
+            grows = group_any(c.softmax.exponentiate_unchecked(c.acc_S, block_sum), _GROWS_BARRIER_BASE + c.wg_idx)
             warpgroup.wait_group(0)
             c.softmax.redo_if_grown(grows, partial(self.recompute_S, c, kv_state.index), c.acc_S, c.acc_O, block_sum)
             c.pipeline_k.consumer_release(kv_state)
@@ -1590,6 +1592,19 @@ def opaque_i32(value: Int32, *, loc=None, ip=None) -> Int32:
         cutlass.Int32.mlir_type, [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1; // opaque_i32", "=r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
+
+
+@dsl_user_op
+def group_any(pred, barrier_id, *, loc=None, ip=None) -> cutlass.Boolean:
+    """Whether `pred` holds for any thread of the warp group (a named barrier's OR reduction
+    over its 128 threads)."""
+    flag = llvm.inline_asm(
+        cutlass.Int32.mlir_type,
+        [Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred q, p; setp.ne.u32 q, $1, 0; bar.red.or.pred p, $2, 128, q; selp.u32 $0, 1, 0, p; }",
+        "=r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+    return Int32(flag) != 0
 
 
 @dsl_user_op
