@@ -148,43 +148,6 @@ class OnlineSoftmax:
         return row_max_new, cute.arch.vote_any_sync(grows)
 
     @cute.jit
-    def exponentiate_unchecked(self, acc_S: cute.Tensor, block_sum: cute.Tensor):
-        """The lazy form without waiting for this block's row maxima: acc_S <- exp2(acc_S *
-        scale_log2 - running max) in place, this block's partial row sums into block_sum (row_sum
-        is not touched), and whether some row of the warp outgrew its running max by more than
-        LAZY_RESCALE_LOG2 (warp-uniform), judged on each thread's own scores: then P is wrong and
-        the block must be redone from S (redo_if_grown). Rows must have a finite running max."""
-        acc_S_mn = reshape_acc_to_mn(acc_S)
-        grows = cutlass.Boolean(False)
-        for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            exponent = acc_S_mn[r, None].load() * self.scale_log2 - self.row_max[r] * self.scale_log2
-            grows = grows | (exponent.reduce(cute.ReductionOp.MAX, -Float32.inf, 0) > LAZY_RESCALE_LOG2)
-            p_row = cute.math.exp2(exponent, fastmath=True)
-            block_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-            acc_S_mn[r, None].store(p_row)
-        return cute.arch.vote_any_sync(grows)
-
-    @cute.jit
-    def redo_if_grown(self, grows, recompute_S, acc_S: cute.Tensor, acc_O: cute.Tensor,
-                      block_sum: cute.Tensor) -> None:
-        """After exponentiate_unchecked: where `grows`, S again (`recompute_S()` issues the GEMM and
-        waits for it; O must be stable), the running max moved, O and the row sums rescaled and
-        the block exponentiated anew; then the block's sums join the row sums."""
-        if grows:
-            recompute_S()
-            acc_S_mn = reshape_acc_to_mn(acc_S)
-            row_max_new = cute.make_rmem_tensor_like(self.row_max, Float32)
-            for r in cutlass.range_constexpr(cute.size(self.row_max)):
-                row_max_new[r] = self._block_row_max(acc_S_mn, r, self.row_max[r])
-            self.rescale_O(acc_O, self._move_row_max(row_max_new, False))
-            for r in cutlass.range_constexpr(cute.size(self.row_max)):
-                p_row = self._exp2_row(acc_S_mn, r, self.row_max[r] * self.scale_log2)
-                block_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-                acc_S_mn[r, None].store(p_row)
-        for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            self.row_sum[r] = self.row_sum[r] + block_sum[r]
-
-    @cute.jit
     def _move_row_max(self, row_max_new: cute.Tensor, check_inf: cutlass.Constexpr[bool]) -> cute.Tensor:
         """The running maxima become row_max_new; the row sums are rescaled here, and the returned
         factors are what O owes."""

@@ -60,7 +60,6 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 _EPILOGUE_BARRIER = 1  # + warp group index when each group stores its own rows (wg_epilogue)
 _SCHED_BARRIER_BASE = 4
 _SPLIT_BARRIER = 8  # consumer warp groups around a tail-split piece's hand-off
-_GROWS_BARRIER_BASE = 9  # + warp group index: the group's vote on redoing a block (unchecked_exp)
 
 _SMEM_BYTES = 227 * 1024
 _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running heads may fill
@@ -110,7 +109,6 @@ class FlashAttnFwdSm90:
         wg_tma_store: bool = False,
         lean_row_max: bool = False,
         lazy_rescale: bool = False,
-        unchecked_exp: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -136,12 +134,6 @@ class FlashAttnFwdSm90:
         # multiplies: long non-causal d128 383 -> 313 SASS instructions per block, d256 501 ->
         # 373, d64 418 -> 388. Measured: long non-causal d128 +6-7% (length_config).
         self.lazy_rescale = lazy_rescale and intra_wg_overlap
-        # Lazy rescaling with the exponentials started before this block's row maxima: against the
-        # running max, with each thread checking its own scores alongside, and the block redone
-        # from S in the rare case that a row of the warp grew (softmax.py: exponentiate_unchecked).
-        # The row max's shuffles leave the path from S to P. Non-causal only: its rows have a
-        # finite max after a tile's first block.
-        self.unchecked_exp = unchecked_exp and self.lazy_rescale and not causal
         self.rescale_o_early = rescale_o_early and intra_wg_overlap and not self.lazy_rescale
         # Skip O's rescale for a block when no row max of the warp moved (row_scale is then 1).
         # Measured (interleaved A/B, bf16): non-causal d128 +1% at 2k, +0-4% at 4k, +4% at 8k,
@@ -1263,10 +1255,6 @@ class FlashAttnFwdSm90:
         gemm(c.tiled_mma_qk, c.acc_S, c.tSrQ[None, None, None, c.q_index], c.tSrK[None, None, None, stage],
              zero_init=True)
 
-    def recompute_S(self, c, stage):
-        self.gemm_qk(c, stage)
-        warpgroup.wait_group(0)
-
     def gemm_pv(self, c, stage):
         gemm(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, stage], zero_init=False)
 
@@ -1295,16 +1283,6 @@ class FlashAttnFwdSm90:
         self.gemm_pv(c, kv_state_v.index)
         self.sched_signal(c.wg_idx)
         warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
-        if const_expr(self.unchecked_exp):
-            block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
-            # The redo issues a wgmma, so all four warps of the group must take it together.
-            grows = group_any(c.softmax.exponentiate_unchecked(c.acc_S, block_sum), _GROWS_BARRIER_BASE + c.wg_idx)
-            warpgroup.wait_group(0)
-            c.softmax.redo_if_grown(grows, partial(self.recompute_S, c, kv_state.index), c.acc_S, c.acc_O, block_sum)
-            c.pipeline_k.consumer_release(kv_state)
-            c.pipeline_v.consumer_release(kv_state_v)
-            self.convert_P(c)
-            return kv_state
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
@@ -1592,19 +1570,6 @@ def opaque_i32(value: Int32, *, loc=None, ip=None) -> Int32:
         cutlass.Int32.mlir_type, [Int32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1; // opaque_i32", "=r,r",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
-
-
-@dsl_user_op
-def group_any(pred, barrier_id, *, loc=None, ip=None) -> cutlass.Boolean:
-    """Whether `pred` holds for any thread of the warp group (a named barrier's OR reduction
-    over its 128 threads)."""
-    flag = llvm.inline_asm(
-        cutlass.Int32.mlir_type,
-        [Int32(cutlass.Boolean(pred)).ir_value(loc=loc, ip=ip), Int32(barrier_id).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred q, p; setp.ne.u32 q, $1, 0; bar.red.or.pred p, $2, 128, q; selp.u32 $0, 1, 0, p; }",
-        "=r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-    )
-    return Int32(flag) != 0
 
 
 @dsl_user_op
