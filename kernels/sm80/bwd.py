@@ -531,9 +531,11 @@ class FlashAttnBwdSm80:
         """Adds one column chunk of dQ_i to the workspace, thread-major within the chunk; with
         `deterministic`, key blocks take turns per query block (the first chunk waits for this
         block's turn, the last passes it on)."""
-        if cutlass.const_expr(self.deterministic):
+        waits_turn = self.deterministic and chunk == 0
+        passes_turn = self.deterministic and chunk == self.dq_chunks - 1
+        if cutlass.const_expr(waits_turn or passes_turn):
             lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
-        if cutlass.const_expr(self.deterministic and chunk == 0):
+        if cutlass.const_expr(waits_turn):
             # Key blocks that see query block m_block are 0..k: add in n_block order.
             if tidx == 0:
                 while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
@@ -542,7 +544,7 @@ class FlashAttnBwdSm80:
         mine = gdQaccum_tile.iterator + dq_accum_offset(chunk, cute.size(acc_dQ), tidx)
         for i in cutlass.range_constexpr(cute.size(acc_dQ)):
             cute.arch.red(mine + i * self.num_threads, acc_dQ[i], op="add", dtype=Float32, sem="relaxed", scope="gpu")
-        if cutlass.const_expr(self.deterministic and chunk == self.dq_chunks - 1):
+        if cutlass.const_expr(passes_turn):
             cute.arch.fence_acq_rel_gpu()
             cute.arch.barrier()
             if tidx == 0:

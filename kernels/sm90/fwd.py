@@ -416,7 +416,8 @@ class FlashAttnFwdSm90:
             return config
         config = dict(num_sms=num_sms, **three_groups_d96)
         late_rescale = length == "short_2k" and not causal
-        if FlashAttnFwdSm90.wg_epilogue_fits(head_dim):
+        # Mid d128 runs the long kernel, whose groups store O together.
+        if FlashAttnFwdSm90.wg_epilogue_fits(head_dim) and not three_groups_d128:
             config["wg_epilogue"] = True
             if short and head_dim <= 128 and not (causal and head_dim <= 64):
                 config["wg_tma_store"] = True
@@ -428,8 +429,7 @@ class FlashAttnFwdSm90:
             config["dynamic_schedule"] = True
         if length == "mid" and lazy_rescale:
             config["lazy_rescale"] = True
-        if three_groups_d128:  # mid: the long kernel, which stores O from all groups
-            config.pop("wg_epilogue")
+        if three_groups_d128:
             config.update(three_groups_d128)
         elif 96 < head_dim <= 128:
             config.update(num_stages=2, q_stages=2)
