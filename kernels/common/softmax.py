@@ -68,6 +68,7 @@ QUAD = 4  # threads of an mma.sync / wgmma quad that share one accumulator row
 
 LAZY_RESCALE_LOG2 = 8.0
 """How far (in exp2 units) a row may outgrow its running max before the lazy form moves it."""
+_LAZY_RESCALE_BOUND = 2.0 ** LAZY_RESCALE_LOG2
 
 
 @cute.jit
@@ -146,6 +147,42 @@ class OnlineSoftmax:
             row_max_new[r] = self._block_row_max(acc_S_mn, r, self.row_max[r])
             grows = grows | ((row_max_new[r] - self.row_max[r]) * self.scale_log2 > LAZY_RESCALE_LOG2)
         return row_max_new, cute.arch.vote_any_sync(grows)
+
+    @cute.jit
+    def exponentiate_stale(self, acc_S: cute.Tensor, block_sum: cute.Tensor):
+        """The lazy form without this block's row maxima: acc_S <- exp2(acc_S * scale_log2 - running
+        max * scale_log2) in place, the block's partial row sums into block_sum (row_sum is not
+        touched). Returns whether some thread of the warp has a partial sum over
+        2^LAZY_RESCALE_LOG2 (warp-uniform); if none has, no P of the warp exceeds that bound and
+        the block stands as it is. Rows must have a finite running max."""
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        outgrown = cutlass.Boolean(False)
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            p_row = self._exp2_row(acc_S_mn, r, self.row_max[r] * self.scale_log2)
+            block_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            outgrown = outgrown | (block_sum[r] > _LAZY_RESCALE_BOUND)
+            acc_S_mn[r, None].store(p_row)
+        return cute.arch.vote_any_sync(outgrown)
+
+    @cute.jit
+    def settle_stale(self, outgrown, acc_S: cute.Tensor, acc_O: cute.Tensor, block_sum: cute.Tensor) -> None:
+        """After exponentiate_stale, with O stable: where `outgrown`, each row of the warp moves its
+        running max up by log2 of its largest P (at least 1), and P, the block's sums, the row sums
+        and O are rescaled by the inverse; then the block's sums join the row sums."""
+        if outgrown:
+            acc_S_mn = reshape_acc_to_mn(acc_S)
+            row_max_new = cute.make_rmem_tensor_like(self.row_max, Float32)
+            scale_log2_inv = cute.arch.rcp_approx(self.scale_log2)
+            for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                p_max = self._block_row_max(acc_S_mn, r, Float32(1.0))
+                row_max_new[r] = self.row_max[r] + cute.math.log2(p_max, fastmath=True) * scale_log2_inv
+            row_scale = self._move_row_max(row_max_new, False)
+            self.rescale_O(acc_O, row_scale)
+            for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                acc_S_mn[r, None].store(acc_S_mn[r, None].load() * row_scale[r])
+                block_sum[r] = block_sum[r] * row_scale[r]
+        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+            self.row_sum[r] = self.row_sum[r] + block_sum[r]
 
     @cute.jit
     def _move_row_max(self, row_max_new: cute.Tensor, check_inf: cutlass.Constexpr[bool]) -> cute.Tensor:

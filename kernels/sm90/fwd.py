@@ -109,6 +109,7 @@ class FlashAttnFwdSm90:
         wg_tma_store: bool = False,
         lean_row_max: bool = False,
         lazy_rescale: bool = False,
+        stale_max: bool = False,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -133,7 +134,8 @@ class FlashAttnFwdSm90:
         # is not rescaled early). The loop's common path loses the row factors and O's
         # multiplies: long non-causal d128 383 -> 313 SASS instructions per block, d256 501 ->
         # 373, d64 418 -> 388. Measured: long non-causal d128 +6-7% (length_config).
-        self.lazy_rescale = lazy_rescale and intra_wg_overlap
+        self.stale_max = stale_max and intra_wg_overlap and not causal
+        self.lazy_rescale = (lazy_rescale or self.stale_max) and intra_wg_overlap
         self.rescale_o_early = rescale_o_early and intra_wg_overlap and not self.lazy_rescale
         # Skip O's rescale for a block when no row max of the warp moved (row_scale is then 1).
         # Measured (interleaved A/B, bf16): non-causal d128 +1% at 2k, +0-4% at 4k, +4% at 8k,
@@ -1292,6 +1294,14 @@ class FlashAttnFwdSm90:
         # (interleaved A/B, bf16 / fp16, session 18): non-causal d128 +1.5-2.1% at 4k, +2.6-3.6%
         # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
         # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
+        if const_expr(self.stale_max):
+            block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
+            outgrown = c.softmax.exponentiate_stale(c.acc_S, block_sum)
+            warpgroup.wait_group(0)
+            c.softmax.settle_stale(outgrown, c.acc_S, c.acc_O, block_sum)
+            c.pipeline_v.consumer_release(kv_state_v)
+            self.convert_P(c)
+            return kv_state
         if const_expr(self.lazy_rescale):
             row_max_new, grows = c.softmax.grown_row_max(c.acc_S)
             warpgroup.wait_group(0)
