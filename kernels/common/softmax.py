@@ -165,22 +165,38 @@ class OnlineSoftmax:
         return cute.arch.vote_any_sync(outgrown)
 
     @cute.jit
-    def settle_stale(self, outgrown, acc_S: cute.Tensor, acc_O: cute.Tensor, block_sum: cute.Tensor) -> None:
-        """After exponentiate_stale, with O stable: where `outgrown`, each row of the warp moves its
-        running max up by log2 of its largest P (at least 1), and P, the block's sums, the row sums
-        and O are rescaled by the inverse; then the block's sums join the row sums."""
+    def settle_stale(self, outgrown, acc_S: cute.Tensor, acc_O: cute.Tensor, block_sum: cute.Tensor,
+                     rescore) -> None:
+        """After exponentiate_stale, with O stable: where `outgrown`, the running max of each row of
+        the warp moves to the block's and P, the block's sums, the row sums and O are rescaled;
+        then the block's sums join the row sums. The block's max comes from P (log2 of its largest
+        P, at least 1) unless an exponential of the warp overflowed: then `rescore()` puts the
+        block's scores back into acc_S and it is exponentiated anew."""
         if outgrown:
             acc_S_mn = reshape_acc_to_mn(acc_S)
             row_max_new = cute.make_rmem_tensor_like(self.row_max, Float32)
-            scale_log2_inv = cute.arch.rcp_approx(self.scale_log2)
+            overflowed = cutlass.Boolean(False)
             for r in cutlass.range_constexpr(cute.size(self.row_max)):
-                p_max = self._block_row_max(acc_S_mn, r, Float32(1.0))
-                row_max_new[r] = self.row_max[r] + cute.math.log2(p_max, fastmath=True) * scale_log2_inv
-            row_scale = self._move_row_max(row_max_new, False)
-            self.rescale_O(acc_O, row_scale)
-            for r in cutlass.range_constexpr(cute.size(self.row_max)):
-                acc_S_mn[r, None].store(acc_S_mn[r, None].load() * row_scale[r])
-                block_sum[r] = block_sum[r] * row_scale[r]
+                overflowed = overflowed | (block_sum[r] == Float32.inf)
+            if cute.arch.vote_any_sync(overflowed):
+                rescore()
+                for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                    row_max_new[r] = self._block_row_max(acc_S_mn, r, self.row_max[r])
+                self.rescale_O(acc_O, self._move_row_max(row_max_new, False))
+                for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                    p_row = self._exp2_row(acc_S_mn, r, self.row_max[r] * self.scale_log2)
+                    block_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+                    acc_S_mn[r, None].store(p_row)
+            else:
+                scale_log2_inv = cute.arch.rcp_approx(self.scale_log2)
+                for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                    p_max = self._block_row_max(acc_S_mn, r, Float32(1.0))
+                    row_max_new[r] = self.row_max[r] + cute.math.log2(p_max, fastmath=True) * scale_log2_inv
+                row_scale = self._move_row_max(row_max_new, False)
+                self.rescale_O(acc_O, row_scale)
+                for r in cutlass.range_constexpr(cute.size(self.row_max)):
+                    acc_S_mn[r, None].store(acc_S_mn[r, None].load() * row_scale[r])
+                    block_sum[r] = block_sum[r] * row_scale[r]
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             self.row_sum[r] = self.row_sum[r] + block_sum[r]
 

@@ -407,6 +407,8 @@ class FlashAttnFwdSm90:
             config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
             if lazy_rescale:
                 config["lazy_rescale"] = True
+            if not causal:
+                config["stale_max"] = True
             if head_dim <= 64 and not causal:
                 config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16,
                               lean_row_max=True)
@@ -665,7 +667,7 @@ class FlashAttnFwdSm90:
         softmax_scale_log2 = softmax_scale * Float32(LOG2_E)
         gmem_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dtype, 128, self.head_dim)
         self.kernel(
-            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, gmem_copy_O,
+            tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, mQ, mK, gmem_copy_O,
             mLSE, mOpiece, mLSEpiece, mPieceCount, split_tiles, splits, softmax_scale_log2,
             tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sVt_layout, SharedStorage,
@@ -685,7 +687,7 @@ class FlashAttnFwdSm90:
         tma_atom_K: cute.CopyAtom, mK: cute.Tensor,
         tma_atom_V: cute.CopyAtom, mVt: cute.Tensor,
         tma_atom_O: cute.CopyAtom, mO: cute.Tensor,
-        mO_gmem: cute.Tensor, gmem_copy_O: cute.TiledCopy,
+        mO_gmem: cute.Tensor, mQ_gmem: cute.Tensor, mK_gmem: cute.Tensor, gmem_copy_O: cute.TiledCopy,
         mLSE: cute.Tensor,
         mOpiece: cute.Tensor, mLSEpiece: cute.Tensor, mPieceCount: cute.Tensor,
         split_tiles: Int32, splits: Int32,
@@ -764,8 +766,8 @@ class FlashAttnFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.num_mma_regs)
             self.mma(
-                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
-                pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
+                tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O,
+                mLSE, pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
                 split, role_namespace(sched), walk_plan,
             )
 
@@ -1040,7 +1042,7 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def mma(
-        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, gmem_copy_O, mLSE,
+        self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O, mLSE,
         pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched, walk_plan,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
@@ -1105,7 +1107,7 @@ class FlashAttnFwdSm90:
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, row_scale=row_scale, q_index=q_buffer,
-                pipeline_q=pipeline_q, q_state=q_state,
+                pipeline_q=pipeline_q, q_state=q_state, mQ=mQ_gmem, mK=mK_gmem, head=head, batch=batch,
             )
             if n_block_max > n_block_min:
                 self.wait_full(pipeline_q, q_state)
@@ -1298,7 +1300,7 @@ class FlashAttnFwdSm90:
             block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
             outgrown = c.softmax.exponentiate_stale(c.acc_S, block_sum)
             warpgroup.wait_group(0)
-            c.softmax.settle_stale(outgrown, c.acc_S, c.acc_O, block_sum)
+            c.softmax.settle_stale(outgrown, c.acc_S, c.acc_O, block_sum, partial(self.rescore, c, n_block))
             c.pipeline_v.consumer_release(kv_state_v)
             self.convert_P(c)
             return kv_state
@@ -1323,6 +1325,22 @@ class FlashAttnFwdSm90:
         elif const_expr(not self.lazy_rescale):
             self.rescale_O(c, row_scale)
         return kv_state
+
+    @cute.jit
+    def rescore(self, c, n_block):
+        """S of this thread's entries of block n_block again, on CUDA cores from Q and K in global
+        memory: the redo of a block whose exponentials overflowed against the stale running max
+        (stale_max: a score 128 / scale_log2 above it, rare enough that speed does not matter).
+        Rows past seqlen_q, which no one stores, score against the last row of Q."""
+        tScS = c.thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+        head_kv = c.head // (c.mQ.shape[2] // c.mK.shape[2])
+        for i in cutlass.range_constexpr(cute.size(c.acc_S)):
+            q_row = c.mQ[cutlass.min(c.m_block * self.tile_m + tScS[i][0], c.seqlen_q - 1), None, c.head, c.batch]
+            k_row = c.mK[n_block * self.tile_n + tScS[i][1], None, head_kv, c.batch]
+            score = Float32.zero
+            for k in cutlass.range(self.head_dim, unroll=1):
+                score += q_row[k].to(Float32) * k_row[k].to(Float32)
+            c.acc_S[i] = score
 
     def rescale_O(self, c, row_scale):
         if const_expr(self.rescale_if_moved):
