@@ -134,7 +134,7 @@ class FlashAttnFwdSm90:
         # is not rescaled early). The loop's common path loses the row factors and O's
         # multiplies: long non-causal d128 383 -> 313 SASS instructions per block, d256 501 ->
         # 373, d64 418 -> 388. Measured: long non-causal d128 +6-7% (length_config).
-        self.stale_max = stale_max and intra_wg_overlap and not causal
+        self.stale_max = stale_max and intra_wg_overlap
         self.lazy_rescale = (lazy_rescale or self.stale_max) and intra_wg_overlap
         self.rescale_o_early = rescale_o_early and intra_wg_overlap and not self.lazy_rescale
         # Skip O's rescale for a block when no row max of the warp moved (row_scale is then 1).
@@ -404,11 +404,9 @@ class FlashAttnFwdSm90:
         # d128 from mid on, causal or not: three consumer warp groups of 64 x 80, three K/V stages.
         three_groups_d128 = dict(tile_m=192, tile_n=80, num_stages=3) if 96 < head_dim <= 128 and not short else {}
         if length == "long":
-            config = dict(num_sms=num_sms, dynamic_schedule=True, **three_groups_d96)
+            config = dict(num_sms=num_sms, dynamic_schedule=True, stale_max=True, **three_groups_d96)
             if lazy_rescale:
                 config["lazy_rescale"] = True
-            if not causal:
-                config["stale_max"] = True
             if head_dim <= 64 and not causal:
                 config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16,
                               lean_row_max=True)
@@ -418,7 +416,7 @@ class FlashAttnFwdSm90:
                 config["recompute_epilogue"] = True
             config.update(three_groups_d128)
             return config
-        config = dict(num_sms=num_sms, **three_groups_d96)
+        config = dict(num_sms=num_sms, stale_max=True, **three_groups_d96)
         late_rescale = length == "short_2k" and not causal
         # Mid d128 runs the long kernel, whose groups store O together.
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim) and not three_groups_d128:
@@ -1296,7 +1294,7 @@ class FlashAttnFwdSm90:
         # (interleaved A/B, bf16 / fp16, session 18): non-causal d128 +1.5-2.1% at 4k, +2.6-3.6%
         # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
         # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
-        if const_expr(self.stale_max):
+        if const_expr(self.stale_max and not mask_causal):
             block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
             outgrown = c.softmax.exponentiate_stale(c.acc_S, block_sum)
             warpgroup.wait_group(0)
