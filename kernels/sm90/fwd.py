@@ -404,7 +404,7 @@ class FlashAttnFwdSm90:
         # d128 from mid on, causal or not: three consumer warp groups of 64 x 80, three K/V stages.
         three_groups_d128 = dict(tile_m=192, tile_n=80, num_stages=3) if 96 < head_dim <= 128 and not short else {}
         if length == "long":
-            config = dict(num_sms=num_sms, dynamic_schedule=True, stale_max=True, **three_groups_d96)
+            config = dict(num_sms=num_sms, dynamic_schedule=True, stale_max=head_dim <= 192, **three_groups_d96)
             if lazy_rescale:
                 config["lazy_rescale"] = True
             if head_dim <= 64 and not causal:

@@ -181,8 +181,8 @@ def test_scores_growing_across_blocks(family, head_dim, seqlens, causal, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_scores_overflowing_running_max(family, head_dim, dtype):
-    """Long non-causal kernels exponentiate a block against the running max before they know the
-    block's own (stale_max, kernels/common/softmax.py: exponentiate_stale). Here key 5, in the
+    """The sm90 kernels (all but long d256) exponentiate an unmasked block against the running max
+    before they know the block's own (stale_max, kernels/common/softmax.py: exponentiate_stale). Here key 5, in the
     block seen last, scores more than 128 exp2 units above every other key of the even rows, so
     their exponentials overflow to inf and the block must be scored again (kernels/sm90/fwd.py:
     rescore); in the odd rows it leads by 10-40 units, which the rescale from P handles, in the
