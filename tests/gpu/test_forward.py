@@ -179,27 +179,30 @@ def test_scores_growing_across_blocks(family, head_dim, seqlens, causal, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
-def test_scores_overflowing_running_max(family, head_dim, dtype):
+def test_scores_overflowing_running_max(family, head_dim, causal, dtype):
     """The sm90 kernels (all but long d256) exponentiate an unmasked block against the running max
     before they know the block's own (stale_max, kernels/common/softmax.py: exponentiate_stale). Here key 5, in the
     block seen last, scores more than 128 exp2 units above every other key of the even rows, so
     their exponentials overflow to inf and the block must be scored again (kernels/sm90/fwd.py:
     rescore); in the odd rows it leads by 10-40 units, which the rescale from P handles, in the
-    same warps. Ragged query count (a partial last tile), GQA."""
-    torch.manual_seed(head_dim + 31)
+    same warps. Ragged query count (a partial last tile), GQA; causal, every row sees key 5."""
+    torch.manual_seed(head_dim + 31 + causal)
     sq, sk, scale = 4500, 4600, head_dim ** -0.5
-    assert dispatch.length_class(sk, False) == "long"
+    assert dispatch.length_class(sk, causal) == "long"
     row_gain = torch.where(torch.arange(sq, device="cuda") % 2 == 0, 1.0, 0.2)
     q = ((randn(1, sq, 8, head_dim, dtype=dtype).float().abs() + 0.5) * row_gain[None, :, None, None]).to(dtype)
     k = randn(1, sk, 2, head_dim, dtype=dtype)
     k[:, 5] = 125 / scale / (1.3 * head_dim)
     v = randn(1, sk, 2, head_dim, dtype=dtype)
     scores = torch.einsum("bqhd,bkhd->bhqk", q[:, :, ::4].double(), k.double()) * scale * 1.4426950408889634
+    if causal:
+        scores = scores.masked_fill(~causal_allowed(sq, sk, q.device), float("-inf"))
     lead = scores[..., 5] - torch.cat([scores[..., :5], scores[..., 6:]], dim=-1).amax(-1)
     assert (lead[..., 0::2] > 128).all() and (lead[..., 1::2] > 8).all() and (lead[..., 1::2] < 128).all()
-    out, lse = run_forward(q, k, v, False)
-    assert_forward_close(out, lse, q, k, v, False)
+    out, lse = run_forward(q, k, v, causal)
+    assert_forward_close(out, lse, q, k, v, causal)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
