@@ -416,7 +416,7 @@ class FlashAttnFwdSm90:
                 config["recompute_epilogue"] = True
             config.update(three_groups_d128)
             return config
-        config = dict(num_sms=num_sms, stale_max=not (causal and head_dim <= 64 and short), **three_groups_d96)
+        config = dict(num_sms=num_sms, stale_max=not (causal and head_dim <= 64 and up_to_1k), **three_groups_d96)
         late_rescale = length == "short_2k" and not causal
         # Mid d128 runs the long kernel, whose groups store O together.
         if FlashAttnFwdSm90.wg_epilogue_fits(head_dim) and not three_groups_d128:
