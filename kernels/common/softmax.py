@@ -38,6 +38,14 @@ wgmma), where the 4 threads of a quad share each row.
         The rounding of P falls differently when the max is not exactly 1: measured max errors
         0.1-0.5 of torch's own against 0.05-0.4 eager (perf/NOTES.md, session 26).
 
+    outgrown = softmax.exponentiate_stale(acc_S, block_sum)
+    softmax.settle_stale(outgrown, acc_S, acc_O, block_sum, rescore)
+        The lazy form without the block's row maxima (kernels/sm90/fwd.py: stale_max): the block is
+        exponentiated against the running max at once, and the warp votes on its partial row sums
+        instead; a sum over 2^LAZY_RESCALE_LOG2 bounds every P of the row, so where none is, the
+        block stands. Otherwise (rare) the row maxima move to the block's: from P where it is
+        finite, from the scores again (`rescore()` refills acc_S) where an exponential overflowed.
+
     softmax.rescale_O(acc_O, row_scale)
         acc_O[row, :] *= row_scale[row].
 

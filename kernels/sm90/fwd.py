@@ -134,6 +134,14 @@ class FlashAttnFwdSm90:
         # is not rescaled early). The loop's common path loses the row factors and O's
         # multiplies: long non-causal d128 383 -> 313 SASS instructions per block, d256 501 ->
         # 373, d64 418 -> 388. Measured: long non-causal d128 +6-7% (length_config).
+        # The lazy form without the row maxima on the common path (softmax.py: exponentiate_stale):
+        # an unmasked block is exponentiated against the running max at once, and a warp vote on
+        # the block's partial row sums (> 2^8) finds the rare rows that outgrew it; those are
+        # rescaled from P, or scored again (rescore) where an exponential overflowed. Long
+        # non-causal d64 418 -> ~307 SASS instructions per block. Measured (interleaved A/B,
+        # session 35): long non-causal d64 +4-7%, d96 +6%, d128 +6%, short non-causal d128 1k / 2k
+        # +7.5 / +13%, causal d64 / d128 long +4-7% / +2-5% (length_config says where it is off).
+        # Masked blocks of a kernel with it rescale lazily too.
         self.stale_max = stale_max and intra_wg_overlap
         self.lazy_rescale = (lazy_rescale or self.stale_max) and intra_wg_overlap
         self.rescale_o_early = rescale_o_early and intra_wg_overlap and not self.lazy_rescale
@@ -361,6 +369,11 @@ class FlashAttnFwdSm90:
           to +0.7% (off there). Causal d128 gains only on 192 x 80 tiles (above): on 128 x 128 it
           was +0.3 to +2.8% with a register spilled in the producer. Short problems: within -1.6
           to +1.8%, not used.
+        * stale_max (see __init__; session 35, interleaved A/B, bf16 / fp16): long non-causal d64
+          +4.3-5.9 / +5.9-7.3% at 4k-16k, d96 +6.1%, d128 16k +5.8 / +6.1%, d192 +2.1-3.2%; short
+          non-causal d64 1k / 2k +4.4 / +6.1%, d128 +7.5 / +13.1%; causal d64 4k-16k +4-7%, d128
+          2k-16k +1.4-4.9%, d256 2k +1.4-1.9%. Off for long d256 (causal 16k -3.2 / -2.2% bf16,
+          non-causal within +-2%) and for short causal d64 up to 1k keys (512 -2.7 to -2.9%).
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
         * q_by_group (see __init__; session 8, interleaved runs 3-9 of the variant log): d256 short and mid +0.7 to

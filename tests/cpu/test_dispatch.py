@@ -109,9 +109,14 @@ def test_length_buckets_reach_the_sm90_launch_settings():
                                                   num_sms=132).init_kwargs)
                 lazy = length in ("mid", "long") and (causal or head_dim > 64)
                 assert plan.get("lazy_rescale", False) == lazy, (head_dim, causal, length)
+                # stale_max (exponentials before the row maxima) everywhere but long d256 and short
+                # causal d64 up to 1k keys; it rescales lazily too.
+                stale = not ((length == "long" and head_dim > 192)
+                             or (causal and head_dim <= 64 and length in ("short_512", "short")))
+                assert plan.get("stale_max", False) == stale, (head_dim, causal, length)
                 kernel = FlashAttnFwdSm90(**plan)
-                assert kernel.lazy_rescale == lazy
-                assert not (lazy and (kernel.rescale_o_early or kernel.rescale_if_moved))
+                assert kernel.stale_max == stale and kernel.lazy_rescale == (lazy or stale)
+                assert not (kernel.lazy_rescale and (kernel.rescale_o_early or kernel.rescale_if_moved))
     # Causal d64 tiles: 128 x 128 up to 2048 keys, 192 x 128 beyond; causal d128 double-buffers Q.
     for length, tile_m in (("short", 128), ("short_2k", 128), ("mid", 192), ("long", 192)):
         plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 64, True, length=length, num_sms=132).init_kwargs)
