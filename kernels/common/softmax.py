@@ -166,10 +166,8 @@ class OnlineSoftmax:
         acc_S_mn = reshape_acc_to_mn(acc_S)
         outgrown = cutlass.Boolean(False)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            p_row = self._exp2_row(acc_S_mn, r, self.row_max[r] * self.scale_log2)
-            block_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            block_sum[r] = self._exp2_row_against_max(acc_S_mn, r)
             outgrown = outgrown | (block_sum[r] > _LAZY_RESCALE_BOUND)
-            acc_S_mn[r, None].store(p_row)
         return cute.arch.vote_any_sync(outgrown)
 
     @cute.jit
@@ -192,9 +190,7 @@ class OnlineSoftmax:
                     row_max_new[r] = self._block_row_max(acc_S_mn, r, self.row_max[r])
                 self.rescale_O(acc_O, self._move_row_max(row_max_new, False))
                 for r in cutlass.range_constexpr(cute.size(self.row_max)):
-                    p_row = self._exp2_row(acc_S_mn, r, self.row_max[r] * self.scale_log2)
-                    block_sum[r] = p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-                    acc_S_mn[r, None].store(p_row)
+                    block_sum[r] = self._exp2_row_against_max(acc_S_mn, r)
             else:
                 scale_log2_inv = cute.arch.rcp_approx(self.scale_log2)
                 for r in cutlass.range_constexpr(cute.size(self.row_max)):
@@ -207,6 +203,14 @@ class OnlineSoftmax:
                     block_sum[r] = block_sum[r] * row_scale[r]
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             self.row_sum[r] = self.row_sum[r] + block_sum[r]
+
+    @cute.jit
+    def _exp2_row_against_max(self, acc_S_mn: cute.Tensor, r: cutlass.Constexpr[int]) -> Float32:
+        """Row r of the block exponentiated in place against the running max (finite); returns
+        this thread's part of the row's sum."""
+        p_row = self._exp2_row(acc_S_mn, r, self.row_max[r] * self.scale_log2)
+        acc_S_mn[r, None].store(p_row)
+        return p_row.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
 
     @cute.jit
     def _move_row_max(self, row_max_new: cute.Tensor, check_inf: cutlass.Constexpr[bool]) -> cute.Tensor:

@@ -1301,13 +1301,9 @@ class FlashAttnFwdSm90:
         c.pipeline_k.consumer_release(kv_state)
         if const_expr(mask_causal):
             self.mask(c, n_block, False, True)
-        # Wait for the previous block's PV GEMM between the row maxima and the exponentials, with
-        # the exponentials made to depend on O (f32_after): otherwise ptxas places that wait where
-        # it likes, after 0-12 of the exponentials, by dtype and by unrelated options. Measured
-        # (interleaved A/B, bf16 / fp16, session 18): non-causal d128 +1.5-2.1% at 4k, +2.6-3.6%
-        # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
-        # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
         if const_expr(self.stale_max and not mask_causal):
+            # stale_max: the exponentials first, while the PV GEMM runs; its wait before P's registers
+            # are rewritten (and O, in the rare rescale).
             block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
             outgrown = c.softmax.exponentiate_stale(c.acc_S, block_sum)
             warpgroup.wait_group(0)
@@ -1315,6 +1311,12 @@ class FlashAttnFwdSm90:
             c.pipeline_v.consumer_release(kv_state_v)
             self.convert_P(c)
             return kv_state
+        # Wait for the previous block's PV GEMM between the row maxima and the exponentials, with
+        # the exponentials made to depend on O (f32_after): otherwise ptxas places that wait where
+        # it likes, after 0-12 of the exponentials, by dtype and by unrelated options. Measured
+        # (interleaved A/B, bf16 / fp16, session 18): non-causal d128 +1.5-2.1% at 4k, +2.6-3.6%
+        # at 8k; d256 +0.6-2.1% at 8k, causal 2k +0.3-3.7%; d64 non-causal +1.5% at 512, +2.5% at
+        # 2k, fp16 +0.7-1.4% at 4k-16k; causal d64 4k +1.7%; elsewhere within +-1.2% (noise).
         if const_expr(self.lazy_rescale):
             row_max_new, grows = c.softmax.grown_row_max(c.acc_S)
             warpgroup.wait_group(0)
