@@ -22,6 +22,9 @@ Causal attention is bottom-right aligned: query i sees key j iff j <= i + seqlen
     m_block_max_causal_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
         Backward mirror: query blocks m < this value cross the diagonal of n_block and need the
         causal mask; blocks from it on see the whole key block.
+
+    head_kv = kv_head(head, num_heads, num_heads_kv)
+        The K/V head that query head `head` reads (GQA / MQA: consecutive query heads share one).
 """
 
 from __future__ import annotations
@@ -78,3 +81,7 @@ class BlockRanges:
         # the last key of the block is seen from query rows >= (n_block+1)*tile_n - 1 - (seqlen_k - seqlen_q)
         m_idx_all_see = (n_block + 1) * self.tile_n - 1 + seqlen_q - seqlen_k
         return cutlass.max(m_block_min, cute.ceil_div(cutlass.max(m_idx_all_see, 0), self.tile_m))
+
+
+def kv_head(head, num_heads, num_heads_kv):
+    return head // (num_heads // num_heads_kv)

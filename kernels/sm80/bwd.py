@@ -37,7 +37,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from cute_flash.kernels.common.blocks import BlockRanges
+from cute_flash.kernels.common.blocks import BlockRanges, kv_head
 from cute_flash.kernels.common.layouts import (
     gmem_tiled_copy,
     reshape_acc_to_mn,
@@ -280,7 +280,7 @@ class FlashAttnBwdSm80:
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_kv = kv_head(head, mQ.shape[2], mK.shape[2])
 
         # Query blocks that see some key of this key block (Algorithm 2, inner loop bounds); the
         # first few of them straddle the causal diagonal and need the mask.

@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warp
 
-from ..common.blocks import BlockRanges
+from ..common.blocks import BlockRanges, kv_head
 from ..common.layouts import (
     gmem_tiled_copy,
     reshape_acc_to_frgA,
@@ -229,7 +229,7 @@ class FlashAttnFwdSm80:
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
         seqlen_q = mQ.shape[1]
         seqlen_k = mK.shape[1]
-        head_kv = head // (mQ.shape[2] // mK.shape[2])
+        head_kv = kv_head(head, mQ.shape[2], mK.shape[2])
 
         ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
         n_block_min, n_block_max = ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)

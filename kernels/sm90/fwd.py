@@ -49,7 +49,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.tensor_utils.layout import LayoutEnum
 
-from ..common.blocks import BlockRanges
+from ..common.blocks import BlockRanges, kv_head
 from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn, store_tile_rows
 from ..common.mask import apply_mask
 from ..common.packed16 import convert_f32_to_16bit, cvt_pack_16bit
@@ -999,7 +999,7 @@ class FlashAttnFwdSm90:
         m_block, head, batch, n_block_min, n_block_max, _ = self.unit_work(
             unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
         )
-        head_kv = head // (num_heads // mK.shape[2])
+        head_kv = kv_head(head, num_heads, mK.shape[2])
         # Q by pieces of a tile's rows (q_by_group), smem (rows, d, piece, stage), gmem (rows, d, piece).
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.q_piece_rows, self.head_dim), (None, 0))
         gQ = cute.local_tile(gQ, (self.q_piece_rows, self.head_dim, self.q_pieces), (0, 0, m_block))
@@ -1346,7 +1346,7 @@ class FlashAttnFwdSm90:
         (stale_max: a score 128 / scale_log2 above it, rare enough that speed does not matter).
         Rows past seqlen_q, which no one stores, score against the last row of Q."""
         tScS = c.thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        head_kv = c.head // (c.mQ.shape[2] // c.mK.shape[2])
+        head_kv = kv_head(c.head, c.mQ.shape[2], c.mK.shape[2])
         for i in cutlass.range_constexpr(cute.size(c.acc_S)):
             q_row = c.mQ[cutlass.min(c.m_block * self.tile_m + tScS[i][0], c.seqlen_q - 1), None, c.head, c.batch]
             k_row = c.mK[n_block * self.tile_n + tScS[i][1], None, head_kv, c.batch]
