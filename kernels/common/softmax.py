@@ -18,15 +18,14 @@ wgmma), where the 4 threads of a quad share each row.
         which the O accumulator must be rescaled (1.0 when is_first). Masked entries must be -inf
         already; check_inf keeps fully masked rows at P = 0 instead of NaN.
 
-    max_scaled, row_scale = softmax.update_row_max(acc_S, check_inf, exact_one)
+    max_scaled, row_scale = softmax.update_row_max(acc_S)
     softmax.exponentiate(acc_S, max_scaled, row_scale)
         online_softmax(acc_S) (not the first block) in two halves, the row maxima and factors, then
-        the exponentials and row sums: for kernels that wait on something between them. With
-        exact_one=False a row factor whose max did not move is 1 within an ulp, not exactly 1.
+        the exponentials and row sums: for kernels that wait on something between them.
 
     row_max_new, grows = softmax.grown_row_max(acc_S)
-    softmax.rescale_if_grown(acc_O, row_max_new, grows, check_inf)
-    max_scaled = softmax.max_scaled(check_inf)
+    softmax.rescale_if_grown(acc_O, row_max_new, grows)
+    max_scaled = softmax.max_scaled()
     softmax.exponentiate(acc_S, max_scaled, None)
         The lazy form of the pair above (FlashAttention-4's Blackwell kernel rescales this way): the
         running max moves only where some row of the warp grew past it by more than
@@ -120,21 +119,16 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def update_row_max(self, acc_S: cute.Tensor, check_inf: cutlass.Constexpr[bool] = True,
-                       exact_one: cutlass.Constexpr[bool] = True):
+    def update_row_max(self, acc_S: cute.Tensor):
         """online_softmax's first half (any block but the first): row maxima and row factors
         before any exponential, so that a kernel can place a wait between the halves. Returns
-        (max_scaled, row_scale); exponentiate(acc_S, max_scaled, row_scale) finishes the block.
-        check_inf=False where no row can still be fully masked (the row max is finite);
-        exact_one=False where nothing tests row_scale == 1 (rescale_O_if_needed): a row whose max
-        did not move then gets exp2 of a rounding residual, 1 within an ulp, for two fewer
-        instructions per row."""
+        (max_scaled, row_scale); exponentiate(acc_S, max_scaled, row_scale) finishes the block."""
         acc_S_mn = reshape_acc_to_mn(acc_S)
         row_scale = cute.make_rmem_tensor_like(self.row_max, Float32)
         max_scaled = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            row_max_prev, row_max_new, max_scaled[r] = self._new_row_max(acc_S_mn, r, False, check_inf)
-            row_scale[r] = self._row_factor(row_max_prev, row_max_new, max_scaled[r], exact_one)
+            row_max_prev, row_max_new, max_scaled[r] = self._new_row_max(acc_S_mn, r, False, True)
+            row_scale[r] = self._row_factor(row_max_prev, row_max_new, max_scaled[r])
         return max_scaled, row_scale
 
     @cute.jit
@@ -226,20 +220,19 @@ class OnlineSoftmax:
         return row_scale
 
     @cute.jit
-    def rescale_if_grown(self, acc_O: cute.Tensor, row_max_new: cute.Tensor, grows,
-                         check_inf: cutlass.Constexpr[bool] = True) -> None:
+    def rescale_if_grown(self, acc_O: cute.Tensor, row_max_new: cute.Tensor, grows) -> None:
         # The branch lives here, not in the kernel: a dynamic `if` whose body calls a method
         # through an attribute of a kernel-side object (c.softmax.f()) rebuilds this object's
         # tensors inside the branch, and their later uses fail IR verification.
         if grows:
-            self.rescale_O(acc_O, self._move_row_max(row_max_new, check_inf))
+            self.rescale_O(acc_O, self._move_row_max(row_max_new, True))
 
     @cute.jit
-    def max_scaled(self, check_inf: cutlass.Constexpr[bool] = True) -> cute.Tensor:
+    def max_scaled(self) -> cute.Tensor:
         """The running maxima in exp2 units, as exponentiate takes them."""
         max_scaled = cute.make_rmem_tensor_like(self.row_max, Float32)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
-            max_scaled[r] = self._scaled(self.row_max[r], check_inf)
+            max_scaled[r] = self._scaled(self.row_max[r], True)
         return max_scaled
 
     @cute.jit

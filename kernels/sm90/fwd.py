@@ -107,7 +107,6 @@ class FlashAttnFwdSm90:
         release_q_early: bool = True,
         planned_tail: bool = False,
         wg_tma_store: bool = False,
-        lean_row_max: bool = False,
         lazy_rescale: bool = False,
         stale_max: bool = False,
     ):
@@ -214,14 +213,6 @@ class FlashAttnFwdSm90:
         # +0.3-0.8% over the late release, causal -4.3% at 512 (length_config).
         self.release_q_early = release_q_early and self.o_from_registers
         self.num_wg_mma = tile_m // 64
-        # Row maxima after the first block without the checks nothing needs: non-causal rows always
-        # have a finite max (every block but a tile's first is unmasked, and the first holds a key),
-        # and without rescale_if_moved no one tests the row factor for exactly 1: 8 fewer
-        # instructions per block (long non-causal d64: 418 against 426). Measured (interleaved A/B,
-        # bf16 / fp16, session 25 runs 5-6): long non-causal d64 +0.0 to +1.8% at 8k-16k, +0.3% at
-        # 4k; short d64 and d128 (causal and not) -2.4 to +1.0%, so long non-causal d64 only.
-        self.row_max_checks_inf = causal or not lean_row_max
-        self.row_factor_exact = self.rescale_if_moved or not lean_row_max
         # Q in one 64-row piece per consumer warp group, each with its own barriers: a group that
         # is done with its rows of Q (and of O, when O passes through Q's buffer: wg_epilogue)
         # releases them, and the producer loads them for the next tile while the other groups
@@ -360,8 +351,7 @@ class FlashAttnFwdSm90:
           eager on 192 x 80 -1 to -2.5%, two K/V stages or per-group O stores within +-1.5%, the
           same tiles at 2k -3%). Most short problems keep the static walk (the counter:
           causal d64 -10% at 1k; see below for the exceptions). Long non-causal d64 keeps the DSL's
-          sleeping pipeline waits (spin_waits: -1 to -2% there) and drops the row-max checks it
-          does not need (lean_row_max, see __init__: +0.0 to +1.8% at 8k-16k).
+          sleeping pipeline waits (spin_waits: -1 to -2% there).
         * Long and mid problems rescale lazily (lazy_rescale, see __init__; session 26, runs 1-3,
           interleaved, bf16 / fp16): non-causal d128 +5.6 to +7.3% at 4k-16k, d96 +2.6 / +5.3% at
           8k, d192 +2.6 / +1.2% at 8k, d256 -0.2 to +3.8% at 4k-16k; causal d96 +4.0 to +6.5% at
@@ -421,8 +411,7 @@ class FlashAttnFwdSm90:
             if lazy_rescale:
                 config["lazy_rescale"] = True
             if head_dim <= 64 and not causal:
-                config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16,
-                              lean_row_max=True)
+                config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16)
             if head_dim > 192 and causal:
                 config.update(wg_epilogue=True, q_by_group=True)
             if three_groups_d96 and causal:
@@ -1320,13 +1309,11 @@ class FlashAttnFwdSm90:
         if const_expr(self.lazy_rescale):
             row_max_new, grows = c.softmax.grown_row_max(c.acc_S)
             warpgroup.wait_group(0)
-            c.softmax.rescale_if_grown(c.acc_O, row_max_new, grows, self.row_max_checks_inf)
-            max_scaled = c.softmax.max_scaled(self.row_max_checks_inf)
+            c.softmax.rescale_if_grown(c.acc_O, row_max_new, grows)
+            max_scaled = c.softmax.max_scaled()
             row_scale = None
         else:
-            max_scaled, row_scale = c.softmax.update_row_max(
-                c.acc_S, check_inf=self.row_max_checks_inf, exact_one=self.row_factor_exact
-            )
+            max_scaled, row_scale = c.softmax.update_row_max(c.acc_S)
             warpgroup.wait_group(0)
         for r in cutlass.range_constexpr(cute.size(max_scaled)):
             max_scaled[r] = f32_after(max_scaled[r], c.acc_O[0])
