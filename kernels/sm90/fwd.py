@@ -109,6 +109,7 @@ class FlashAttnFwdSm90:
         wg_tma_store: bool = False,
         lazy_rescale: bool = False,
         stale_max: bool = False,
+        dependent_launch: bool = True,
     ):
         assert FlashAttnFwdSm90.can_implement(
             dtype, head_dim, causal, tile_m=tile_m, tile_n=tile_n, num_stages=num_stages,
@@ -189,6 +190,12 @@ class FlashAttnFwdSm90:
         self.planned_tail = (
             planned_tail and causal and lpt == "head" and num_sms > 0 and not self.dynamic_schedule
         )
+        # Programmatic dependent launch: the grid may start while the kernel before it in the
+        # stream is still ending, and waits for it (griddepcontrol.wait) before its first global
+        # memory access; it lets the kernel after it start as early. What overlaps is the launch
+        # and this prologue (descriptor prefetch, barrier init), a few microseconds a call, which
+        # matters for the shortest calls. Off only to measure it.
+        self.dependent_launch = dependent_launch
         # Tail split: the host decides per call (tail_split_plan).
         self.splits_tail = FlashAttnFwdSm90.tail_split_enabled(num_sms, causal)
         # Q stages: with two, the producer loads the next tile's Q while this one runs.
@@ -676,6 +683,7 @@ class FlashAttnFwdSm90:
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=self.dependent_launch,
         )
 
     # ------------------------------------------------------------------ device entry
@@ -739,6 +747,11 @@ class FlashAttnFwdSm90:
                 units=storage.sched_units.data_ptr(),
                 counter=mPieceCount.iterator + self.num_sms,
             )
+        if const_expr(self.dependent_launch):
+            # Nothing above reads or writes global memory; everything below may (the walk plan
+            # and the schedule's counter, Q, K, V, O and LSE). A dependent grid waits on its own.
+            cute.arch.griddepcontrol_launch_dependents()
+            cute.arch.griddepcontrol_wait()
         walk_plan = None
         if const_expr(self.planned_tail):
             # A causal kernel never splits its tail: the walk plan takes the counters' place.

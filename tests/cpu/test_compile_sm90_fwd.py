@@ -156,6 +156,8 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert ("st.global.v4.b32" in report.ptx) == (not by_tma)
     # Lazy rescaling: the rare rescale behind a warp vote (softmax.py: rescale_if_grown).
     assert ("vote.sync.any.pred" in report.ptx) == (kernel.lazy_rescale or kernel.rescale_if_moved)
+    # Programmatic dependent launch: the grid waits for the one before it ahead of any memory access.
+    assert ("griddepcontrol.wait" in report.ptx) == kernel.dependent_launch
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
     advisories = re.findall(r"\((C751\d)\)", logs[0])

@@ -367,3 +367,31 @@ def test_forward_memory_is_linear_in_seqlen(family):
     expected = out.numel() * out.element_size() + lse.numel() * lse.element_size()
     workspace = dispatch.sm_count() * 192 * (64 + 1) * 4 if family == "native" else 0
     assert extra <= expected + workspace + 4096, f"extra memory {extra} B > O + LSE + {workspace} B"
+
+
+@pytest.mark.parametrize("head_dim,causal,seqlen", [(128, True, 512), (64, False, 4096), (256, True, 1000)])
+def test_back_to_back_calls_order_their_memory(family, head_dim, causal, seqlen):
+    """An sm90 forward may start while the kernel before it in the stream is still ending
+    (dependent_launch, kernels/sm90/fwd.py) and must wait for it before it touches memory. Six
+    calls queued with nothing between them, on two buffers in turn: each reads as Q what the call
+    before it wrote (read after write) and writes where that call read its Q (write after read).
+    The result must equal the same chain's with a synchronization after every call."""
+    torch.manual_seed(head_dim + seqlen)
+    q0 = randn(2, seqlen, 8, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(2, seqlen, 2, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    out, lse = run_forward(q0, k, v, causal)
+    assert_forward_close(out, lse, q0, k, v, causal)
+
+    def chain(synchronize):
+        buffers = [q0.clone(), torch.full_like(q0, float("nan"))]
+        torch.cuda.synchronize()
+        for i in range(6):
+            cute_flash.forward(buffers[i % 2], k, v, out=buffers[(i + 1) % 2], causal=causal)
+            if synchronize:
+                torch.cuda.synchronize()
+        torch.cuda.synchronize()
+        return buffers[0]
+
+    serial = chain(True)
+    assert not torch.isnan(serial).any() and serial.abs().max() > 0
+    assert torch.equal(chain(False), serial)
