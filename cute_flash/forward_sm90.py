@@ -1,12 +1,12 @@
 """Host side of the sm90 forward: the tail split's plan and the workspace for one call.
 
-A persistent non-causal kernel cuts the tiles of its last, partial round into pieces along the
-keys (kernels/sm90/fwd.py, `tail_split_plan`). Per call that takes a float32 workspace for the
-pieces' O and LSE, from torch's caching allocator, and one counter per split tile. A persistent
-kernel with the dynamic schedule takes one more counter, its next unit. The kernel leaves every
-counter at zero: they are allocated once per (device, stream) and reused. A causal kernel with a
-planned tail (`planned_tail`) takes its walk plan in the counters' place: made once per (device,
-problem shape) and kept.
+A persistent non-causal kernel cuts the tiles at the end of its walk into pieces along the keys
+(kernels/sm90/fwd.py, `tail_plan`). Per call that takes a float32 workspace for the pieces' O
+and LSE, from torch's caching allocator, and one counter per split tile. A persistent kernel with
+the dynamic schedule takes one more counter, its next unit. The kernel leaves every counter at
+zero: they are allocated once per (device, stream), with the tail plan of a problem shape after
+them, and reused. A causal kernel with a planned tail (`planned_tail`) takes its walk plan in the
+counters' place: made once per (device, problem shape) and kept.
 """
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from typing import Callable
 
 import torch
 
-from .kernels.sm90.fwd import FlashAttnFwdSm90
+from .kernels.sm90.fwd import FlashAttnFwdSm90, TailPlan
 
-_counters: dict[tuple[int, int], torch.Tensor] = {}
+_counters: dict[tuple, tuple[TailPlan | None, torch.Tensor]] = {}
 _unused: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
-def _counters_for(device: torch.device, num_sms: int) -> torch.Tensor:
+def _counters_for(device: torch.device, num_sms: int, plan: TailPlan | None = None, plan_key: tuple = ()) -> torch.Tensor:
+    """The zeroed counters (TailPlan.plan_offset of them) and after them the words of `plan`, kept
+    per (device, stream, plan_key) while the plan is the same."""
     stream = torch.cuda.current_stream(device).cuda_stream
-    counters = _counters.get((device.index, stream))
-    if counters is None:
-        # Only tiles of the last round are split: fewer than num_sms (tail_split_plan); index
-        # num_sms is the dynamic schedule's.
-        counters = _counters[(device.index, stream)] = torch.zeros(num_sms + 1, dtype=torch.int32, device=device)
-    return counters
+    key = (device.index, stream, *plan_key)
+    kept = _counters.get(key)
+    if kept is None or kept[0] is not plan:
+        words = [0] * TailPlan.plan_offset(num_sms) + (plan.words(plan_key[0]) if plan is not None else [])
+        kept = _counters[key] = (plan, torch.tensor(words, dtype=torch.int32, device=device))
+    return kept[1]
 
 
 def _unused_workspace(device: torch.device, head_dim: int) -> tuple[torch.Tensor, ...]:
@@ -60,18 +62,19 @@ def launcher(compiled, config: dict) -> Callable:
     splits_tail, counts_units, plans_tail = kernel.splits_tail, kernel.dynamic_schedule, kernel.planned_tail
 
     def launch(q, k, v, out, lse, softmax_scale):
-        split_tiles, splits = 0, 1
+        plan, whole_tiles = None, 0
         if splits_tail:
             batch, seqlen_q, heads, _ = q.shape
-            num_tiles = -(-seqlen_q // tile_m) * heads * batch
-            split_tiles, splits = FlashAttnFwdSm90.tail_split_plan(
-                num_tiles, -(-k.shape[1] // tile_n), num_sms, FlashAttnFwdSm90.tail_work(seqlen_q, tile_m, heads * batch))
-        if split_tiles:
-            pieces = split_tiles * splits
+            plan_key = (-(-seqlen_q // tile_m) * heads * batch, -(-k.shape[1] // tile_n), num_sms,
+                        FlashAttnFwdSm90.tail_work(seqlen_q, tile_m, heads * batch), counts_units)
+            plan = _tail_plan(*plan_key)
+            whole_tiles = plan_key[0] if plan is None else plan.whole_tiles(plan_key[0])
+        if plan is not None:
+            slots = len(plan.units)
             workspace = (
-                torch.empty(pieces, tile_m, head_dim, dtype=torch.float32, device=q.device),
-                torch.empty(pieces, tile_m, dtype=torch.float32, device=q.device),
-                _counters_for(q.device, num_sms),
+                torch.empty(slots, tile_m, head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(slots, tile_m, dtype=torch.float32, device=q.device),
+                _counters_for(q.device, num_sms, plan, plan_key),
             )
         else:
             workspace = _unused_workspace(q.device, head_dim)
@@ -81,6 +84,11 @@ def launcher(compiled, config: dict) -> Callable:
                 batch, seqlen_q, heads, _ = q.shape
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
-        compiled(q, k, v, out, lse, *workspace, softmax_scale, split_tiles, splits)
+        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0)
 
     return launch
+
+
+@lru_cache(maxsize=256)
+def _tail_plan(num_tiles: int, num_n_blocks: int, num_sms: int, work_tiles: int, dynamic_schedule: bool):
+    return FlashAttnFwdSm90.tail_plan(num_tiles, num_n_blocks, num_sms, work_tiles, dynamic_schedule)

@@ -66,6 +66,9 @@ _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running 
 _WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themselves
 _MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
 _MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
+# Stream-K tails only where a tile has this many K/V blocks: a piece's prologue, workspace
+# round trip and merge must stay small against its share (long problems; 4k keys of d256: 52).
+_STREAM_K_MIN_BLOCKS = 48
 _SCHED_STAGES = 2  # next-unit slots between the producer and the consumers (dynamic_schedule)
 # The walk plan's cost model (planned_tail): a tile costs this many K/V blocks' time besides its
 # blocks (its prologue, epilogue and first loads). Per-CTA timeline, causal d128 512 keys (session
@@ -73,6 +76,81 @@ _SCHED_STAGES = 2  # next-unit slots between the producer and the consumers (dyn
 _TILE_COST_BLOCKS = 1.2
 _PLANNED_TAIL_ROUNDS = 4  # at most this many full rounds before the end are planned
 _NO_UNIT = 2**31 - 1  # a walk plan's entry for a CTA that has no more units
+
+
+class TailPlan:
+    """Which pieces the last `tiles` tiles of a persistent non-causal walk run as, in the order the
+    walk hands them out. Piece i keeps its O and LSE in workspace slot i; its row of the plan
+    (`words`, which the kernel reads after its counters) is: its tile, n_block_min, n_block_max,
+    the tile's number of pieces and their slots (the last repeated up to _MAX_SPLITS), so that
+    the tile's last piece to finish finds the others."""
+
+    UNIT_WORDS = 4 + _MAX_SPLITS
+
+    def __init__(self, tiles: int, units: list[tuple[int, int, int]]):
+        self.tiles, self.units = tiles, units  # (tail tile, n_block_min, n_block_max) per piece
+
+    def whole_tiles(self, num_tiles: int) -> int:
+        return num_tiles - self.tiles
+
+    @staticmethod
+    def schedule_counter(num_sms: int) -> int:
+        """Index of the dynamic schedule's counter: after one counter per tail tile (fewer than
+        two rounds of tiles)."""
+        return 2 * num_sms
+
+    @staticmethod
+    def plan_offset(num_sms: int) -> int:
+        return TailPlan.schedule_counter(num_sms) + 1
+
+    def words(self, num_tiles: int) -> list[int]:
+        """The plan as the kernel reads it, with tile indices in the walk of `num_tiles` tiles."""
+        slots: dict[int, list[int]] = {}
+        for slot, (tile, _, _) in enumerate(self.units):
+            slots.setdefault(tile, []).append(slot)
+        whole = self.whole_tiles(num_tiles)
+        return [w for tile, lo, hi in self.units for w in (
+            whole + tile, lo, hi, len(slots[tile]), *(slots[tile] + slots[tile][-1:] * (_MAX_SPLITS - len(slots[tile]))))]
+
+    @staticmethod
+    def even(split_tiles: int, splits: int, num_n_blocks: int) -> "TailPlan":
+        """Each tail tile in `splits` equal runs of its blocks (tail_split_plan), tile by tile."""
+        return TailPlan(split_tiles, [(tile, piece * num_n_blocks // splits, (piece + 1) * num_n_blocks // splits)
+                                      for tile in range(split_tiles) for piece in range(splits)])
+
+    @staticmethod
+    def stream_k(num_tiles: int, num_n_blocks: int, num_sms: int) -> "TailPlan | None":
+        """The last round's leftover tiles and one full round before them (or all tiles, when
+        fewer than that) as one run of K/V blocks, cut into num_sms equal shares, one per SM;
+        a share covers parts of two or three tiles. Cuts within _MIN_PIECE_BLOCKS of a tile's
+        edge move to it. Pieces go out in the order their shares would start them with every SM
+        starting its share at once, so that the dynamic schedule, which hands the next unit to
+        the first SM free, keeps each SM's total at one share. A tile that one share covers is one
+        piece (it still goes through the workspace). None when no tiles are left over or a tile
+        would come in more than _MAX_SPLITS pieces."""
+        leftover = num_tiles % num_sms
+        if leftover == 0:
+            return None
+        tiles = min(num_tiles, leftover + num_sms)
+        total = tiles * num_n_blocks
+        cuts = []
+        for share in range(num_sms + 1):
+            cut = round(share * total / num_sms)
+            edge = round(cut / num_n_blocks) * num_n_blocks
+            cut = edge if abs(cut - edge) < _MIN_PIECE_BLOCKS else cut
+            if not cuts or cut > cuts[-1]:
+                cuts.append(cut)
+        pieces = []  # (start within its share, share, tail tile, n_block_min, n_block_max)
+        for share, (begin, end) in enumerate(zip(cuts, cuts[1:])):
+            at = begin
+            while at < end:
+                tile = at // num_n_blocks
+                stop = min(end, (tile + 1) * num_n_blocks)
+                pieces.append((at - begin, share, tile, at - tile * num_n_blocks, stop - tile * num_n_blocks))
+                at = stop
+        if max(Counter(p[2] for p in pieces).values()) > _MAX_SPLITS:
+            return None
+        return TailPlan(tiles, [p[2:] for p in sorted(pieces, key=lambda p: p[:2])])
 
 
 class FlashAttnFwdSm90:
@@ -515,6 +593,26 @@ class FlashAttnFwdSm90:
         return plan
 
     @staticmethod
+    def tail_plan(num_tiles: int, num_n_blocks: int, num_sms: int, work_tiles: int | None = None,
+                  dynamic_schedule: bool = False) -> TailPlan | None:
+        """The pieces of one call's tail (TailPlan), None for none. Equal pieces all in the last
+        round where tail_split_plan finds them; otherwise, on the dynamic schedule, with tiles of
+        equal cost and at least _STREAM_K_MIN_BLOCKS blocks a tile, equal shares of the last two
+        rounds' blocks per SM (TailPlan.stream_k). Why: 128-row d256 tiles leave 100 / 116 / 124 of 132 SMs busy in
+        the last round at 16k / 8k / 4k tokens (8 heads), too many to split within the round;
+        a full last round measured +2% TFLOP/s for both ours and FA4 (seqlen_q 16896 / 8448 / 4224
+        against 16384 / 8192 / 4096, session 37)."""
+        split_tiles, splits = FlashAttnFwdSm90.tail_split_plan(num_tiles, num_n_blocks, num_sms, work_tiles)
+        if split_tiles:
+            return TailPlan.even(split_tiles, splits, num_n_blocks)
+        # The shares are equal in blocks, so only where every tile costs the same (no head's last
+        # tile with fewer rows: tail_work).
+        whole_cost = work_tiles is None or work_tiles == num_tiles
+        if dynamic_schedule and whole_cost and num_n_blocks >= _STREAM_K_MIN_BLOCKS:
+            return TailPlan.stream_k(num_tiles, num_n_blocks, num_sms)
+        return None
+
+    @staticmethod
     def _split_leftover(num_tiles: int, num_n_blocks: int, num_sms: int) -> tuple[int, int]:
         leftover = num_tiles % num_sms
         if leftover == 0:
@@ -592,14 +690,16 @@ class FlashAttnFwdSm90:
         mLSEpiece: cute.Tensor,
         mPieceCount: cute.Tensor,
         softmax_scale: cutlass.Float32,
-        split_tiles: Int32,
-        splits: Int32,
+        whole_tiles: Int32,
+        split_units: Int32,
         stream: cuda.CUstream,
     ):
-        """mOpiece (pieces, tile_m, head_dim) and mLSEpiece (pieces, tile_m), float32, are the tail
-        split's workspace (tail_split_plan says how much; ignored when split_tiles is 0, and by
-        kernels that never split). mPieceCount, int32 and zero (the kernel leaves it zero again),
-        holds one counter per split tile and, at index num_sms, the dynamic schedule's."""
+        """mOpiece (slots, tile_m, head_dim) and mLSEpiece (slots, tile_m), float32, are the tail
+        split's workspace (TailPlan says how much; ignored when split_units is 0, and by kernels
+        that never split). The walk's first whole_tiles tiles run whole (the host passes them all
+        when it splits none). mPieceCount, int32, holds the counters (zero; the kernel leaves them
+        zero again): one per split tile, then the dynamic schedule's; after them the tail plan
+        of split_units pieces (TailPlan.words)."""
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
         # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
         mQ, mK, mO = [
@@ -675,7 +775,7 @@ class FlashAttnFwdSm90:
             sched_units: cute.struct.MemRange[Int32, _SCHED_STAGES]
 
         num_units = self.num_units(mQ.shape[0], mQ.shape[2], mQ.shape[3],
-                                   SimpleNamespace(tiles=split_tiles, splits=splits))
+                                   SimpleNamespace(whole_tiles=whole_tiles, units=split_units))
         grid_x = num_units
         if const_expr(self.num_sms > 0):
             grid_x = cutlass.min(num_units, self.num_sms)
@@ -683,7 +783,7 @@ class FlashAttnFwdSm90:
         gmem_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.dtype, 128, self.head_dim)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, mQ, mK, gmem_copy_O,
-            mLSE, mOpiece, mLSEpiece, mPieceCount, split_tiles, splits, softmax_scale_log2,
+            mLSE, mOpiece, mLSEpiece, mPieceCount, whole_tiles, split_units, softmax_scale_log2,
             tiled_mma_qk, tiled_mma_pv,
             sQ_layout, sK_layout, sVt_layout, SharedStorage,
         ).launch(
@@ -706,7 +806,7 @@ class FlashAttnFwdSm90:
         mO_gmem: cute.Tensor, mQ_gmem: cute.Tensor, mK_gmem: cute.Tensor, gmem_copy_O: cute.TiledCopy,
         mLSE: cute.Tensor,
         mOpiece: cute.Tensor, mLSEpiece: cute.Tensor, mPieceCount: cute.Tensor,
-        split_tiles: Int32, splits: Int32,
+        whole_tiles: Int32, split_units: Int32,
         softmax_scale_log2: Float32,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
@@ -753,7 +853,7 @@ class FlashAttnFwdSm90:
                     defer_sync=True,
                 ),
                 units=storage.sched_units.data_ptr(),
-                counter=mPieceCount.iterator + self.num_sms,
+                counter=mPieceCount.iterator + TailPlan.schedule_counter(self.num_sms),
             )
         if const_expr(self.dependent_launch):
             # Nothing above reads or writes global memory; everything below may (the walk plan
@@ -769,8 +869,8 @@ class FlashAttnFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        split = SimpleNamespace(tiles=split_tiles, splits=splits, mO=mOpiece, mLSE=mLSEpiece,
-                                mCount=mPieceCount, done=storage.pieces_done.get_tensor(cute.make_layout(1)))
+        split = SimpleNamespace(whole_tiles=whole_tiles, units=split_units, mO=mOpiece, mLSE=mLSEpiece, mCount=mPieceCount,
+                                done=storage.pieces_done.get_tensor(cute.make_layout(1)))
         sO = sQ
         if const_expr(self.separate_o):
             sQ_stage_layout = cute.slice_(sQ_layout, (None, None, 0))
@@ -905,31 +1005,32 @@ class FlashAttnFwdSm90:
     def num_units(self, seqlen_q, num_heads, num_batch, split):
         units = self.num_tiles(seqlen_q, num_heads, num_batch)
         if const_expr(self.splits_tail):
-            units += split.tiles * (split.splits - 1)
+            units = split.whole_tiles + split.units
         return units
+
+    def tail_plan_words(self, split):
+        """The tail plan after the counters, viewed where it is read (TailPlan.words)."""
+        return cute.domain_offset((TailPlan.plan_offset(self.num_sms),), split.mCount)
 
     @cute.jit
     def unit_work(self, unit: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_batch: Int32,
                   block_ranges: BlockRanges, split):
         """What unit `unit` of the walk computes: (m_block, head, batch), the K/V blocks
-        [n_block_min, n_block_max) and its workspace `slot`, -1 for a whole tile. The last
-        split.tiles tiles come as split.splits units each, in slots tail_tile * splits + piece,
-        piece p taking the p-th share of the blocks."""
+        [n_block_min, n_block_max) and its workspace `slot`, -1 for a whole tile. After the
+        split.whole_tiles whole tiles come split.units pieces of the tiles after them, piece i in
+        slot i, its tile and blocks in row i of the tail plan (TailPlan)."""
         tile = unit
         slot = Int32(-1)
         if const_expr(self.splits_tail):
-            whole_tiles = self.num_tiles(seqlen_q, num_heads, num_batch) - split.tiles
-            if unit >= whole_tiles:
-                slot = unit - whole_tiles
-                tile = whole_tiles + slot // split.splits
+            if unit >= split.whole_tiles:
+                slot = unit - split.whole_tiles
+                tile = self.tail_plan_words(split)[slot * TailPlan.UNIT_WORDS]
         m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
         n_block_min, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
         if const_expr(self.splits_tail):
             if slot >= 0:
-                piece = slot % split.splits
-                n_blocks = n_block_max
-                n_block_min = piece * n_blocks // split.splits
-                n_block_max = (piece + 1) * n_blocks // split.splits
+                plan = self.tail_plan_words(split)
+                n_block_min, n_block_max = plan[slot * TailPlan.UNIT_WORDS + 1], plan[slot * TailPlan.UNIT_WORDS + 2]
         return m_block, head, batch, n_block_min, n_block_max, slot
 
     # ------------------------------------------------------------------ producer
@@ -1419,7 +1520,6 @@ class FlashAttnFwdSm90:
         and stores the merged tile itself (O = sum_p exp(lse_p - lse) O_p, lse the log-sum-exp
         of the lse_p)."""
         acc_O_mn = reshape_acc_to_mn(acc_O)
-        tail_tile = slot // split.splits
         for r in cutlass.range_constexpr(cute.size(lse)):
             row = tOcO_mn[r, 0][0]
             for j in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
@@ -1428,32 +1528,36 @@ class FlashAttnFwdSm90:
         # Release this piece's writes to the CTA that merges (the classic fence, barrier, atomic).
         cute.arch.fence_acq_rel_gpu()
         cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
+        # Read only now: loaded before the stores above, its words took registers O needed there.
+        plan_row = cute.domain_offset((slot * TailPlan.UNIT_WORDS,), self.tail_plan_words(split))
+        tail_tile = plan_row[0] - split.whole_tiles
         if tidx == 0:
             counter = split.mCount.iterator + tail_tile
             split.done[0] = cute.arch.atomic_add(counter.llvm_ptr, Int32(1), sem="acq_rel", scope="gpu")
         cute.arch.barrier(barrier_id=_SPLIT_BARRIER, number_of_threads=self.num_mma_threads)
-        if split.done[0] == split.splits - 1:
+        if split.done[0] == plan_row[3] - 1:
             if tidx == 0:
                 split.mCount[tail_tile] = 0  # every piece has counted: ready for the next call
             cute.arch.fence_acq_rel_gpu()
-            self.store_merged(tidx, tail_tile * split.splits, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q)
+            self.store_merged(tidx, plan_row, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q)
 
     @cute.jit
-    def store_merged(self, tidx, first_slot, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q):
-        """The merge, in 16-byte pieces of rows that consecutive threads read together, straight
-        to O and LSE in global memory. Every piece's LSE and O are loaded at once (slots past the
-        tile's last piece re-read it with weight 0): a loop over the pieces, or reading them in
-        the accumulator's scattered layout, left the loads one after another (~30 us a merge)."""
+    def store_merged(self, tidx, plan_row, split, mO_gmem, mLSE, m_block, head, batch, seqlen_q):
+        """The merge of the pieces in the slots of `plan_row` (TailPlan), in 16-byte pieces of rows
+        that consecutive threads read together, straight to O and LSE in global memory. Every
+        piece's LSE and O are loaded at once (the row repeats the last slot, read with weight 0):
+        a loop over the pieces, or reading them in the accumulator's scattered layout, left the
+        loads one after another (~30 us a merge)."""
         vec = 4
         row_vecs = self.head_dim // vec
-        last_piece = split.splits - 1
+        last_piece = plan_row[3] - 1
+        slots = [plan_row[4 + p] for p in range(_MAX_SPLITS)]
         for i in cutlass.range_constexpr(self.tile_m * row_vecs // self.num_mma_threads):
             chunk = tidx + i * self.num_mma_threads
             row = chunk // row_vecs
             col_vec = chunk - row * row_vecs
             lses, outs = [], []
-            for p in cutlass.range_constexpr(_MAX_SPLITS):
-                slot = first_slot + cutlass.min(Int32(p), last_piece)
+            for slot in slots:
                 lses.append(split.mLSE[slot, row])
                 outs.append(cute.local_tile(split.mO[slot, None, None], (1, vec), (row, col_vec)).load())
             lse_max = lses[0]

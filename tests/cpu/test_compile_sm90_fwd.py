@@ -10,8 +10,10 @@ first S GEMM of half the width into part of the S accumulator brought, at -10 to
 Every C751x advisory fails the test).
 """
 
+import heapq
 import itertools
 import re
+from collections import Counter
 
 import pytest
 
@@ -210,6 +212,60 @@ def test_tail_split_plan():
         split_tiles, splits = plan(tiles, 64, 132)
         assert split_tiles * splits <= 132 and split_tiles <= tiles
         assert (split_tiles, splits) == (0, 1) or (split_tiles == tiles % 132 and 2 <= splits <= 4)
+
+
+def _greedy_end(plan, whole_tiles: int, num_n_blocks: int, num_sms: int) -> int:
+    """When the last SM ends, in K/V blocks, if each unit goes to the first SM free (the dynamic
+    schedule) and costs its blocks."""
+    free = [0] * num_sms
+    for cost in [num_n_blocks] * whole_tiles + [hi - lo for _, lo, hi in plan.units]:
+        heapq.heappush(free, heapq.heappop(free) + cost)
+    return max(free)
+
+
+@pytest.mark.parametrize("num_tiles,num_n_blocks", [(1024, 205), (512, 103), (256, 52), (208, 50), (224, 75),
+                                                    (96, 76), (80, 100), (1280, 147), (200, 48)])
+def test_stream_k_tail(num_tiles, num_n_blocks):
+    """TailPlan.stream_k covers every block of its tiles once, cuts no tile in more than
+    _MAX_SPLITS pieces nor any piece under _MIN_PIECE_BLOCKS (but a tile's own length), and on
+    the dynamic schedule ends within a piece's rounding of the ideal (all blocks over all SMs),
+    where whole tiles end a tile later. Its words give each piece its tile in the walk, its blocks
+    and the slots of all its tile's pieces."""
+    from cute_flash.kernels.sm90.fwd import _MAX_SPLITS, _MIN_PIECE_BLOCKS, TailPlan
+
+    plan = FlashAttnFwdSm90.tail_plan(num_tiles, num_n_blocks, 132, num_tiles, dynamic_schedule=True)
+    assert plan.tiles == min(num_tiles, num_tiles % 132 + 132)
+    covered = Counter((tile, n) for tile, lo, hi in plan.units for n in range(lo, hi))
+    assert set(covered.values()) == {1} and len(covered) == plan.tiles * num_n_blocks
+    pieces = Counter(tile for tile, _, _ in plan.units)
+    assert max(pieces.values()) <= _MAX_SPLITS
+    assert min(hi - lo for _, lo, hi in plan.units) >= _MIN_PIECE_BLOCKS
+    words = plan.words(num_tiles)
+    assert len(words) == TailPlan.UNIT_WORDS * len(plan.units)
+    for slot, (tile, lo, hi) in enumerate(plan.units):
+        row = words[slot * TailPlan.UNIT_WORDS:(slot + 1) * TailPlan.UNIT_WORDS]
+        assert row[:4] == [num_tiles - plan.tiles + tile, lo, hi, pieces[tile]]
+        assert slot in row[4:] and {plan.units[s][0] for s in row[4:]} == {tile}
+        assert len(set(row[4:])) == pieces[tile] and row[4 + pieces[tile]:] == row[3 + pieces[tile]:-1]
+    end = _greedy_end(plan, plan.whole_tiles(num_tiles), num_n_blocks, 132)
+    ideal = num_tiles * num_n_blocks / 132
+    assert ideal <= end <= ideal + 2 * _MIN_PIECE_BLOCKS
+    assert end < -(-num_tiles // 132) * num_n_blocks
+
+
+def test_tail_plan_choice():
+    """Equal pieces in the last round where tail_split_plan finds them; stream-K shares only on the
+    dynamic schedule, for tiles of equal cost and long enough keys; nothing for full rounds."""
+    plan = FlashAttnFwdSm90.tail_plan
+    even = plan(1376, 100, 132, 1376, dynamic_schedule=True)
+    assert (even.tiles, len(even.units)) == (56, 112)
+    assert even.units[:3] == [(0, 0, 50), (0, 50, 100), (1, 0, 50)]
+    assert even.words(1376)[:10] == [1320, 0, 50, 2, 0, 1, 1, 1, 1320, 50]
+    assert plan(1024, 205, 132, 1024, dynamic_schedule=True).tiles == 232
+    assert plan(1024, 205, 132, 1024, dynamic_schedule=False) is None  # a static walk keeps its order
+    assert plan(1024, 205, 132, 1020, dynamic_schedule=True) is None  # heads' last tiles cost less
+    assert plan(1024, 47, 132, 1024, dynamic_schedule=True) is None  # pieces too short
+    assert plan(1056, 205, 132, 1056, dynamic_schedule=True) is None  # eight full rounds
 
 
 @pytest.mark.parametrize("seqlen_q,seqlen_k,heads_batch,tile_m,tile_n,planned", [

@@ -46,3 +46,13 @@ def assert_forward_close(out, lse, q, k, v, causal, softmax_scale=None):
     lse_err = max_err(lse[finite], ref_lse[finite]) if finite.any() else 0.0
     assert lse_err <= 1e-3, f"lse error {lse_err:.3e}"
     return err, torch_err
+
+
+def assert_counters_at_zero():
+    """Every counter of the sm90 forward (kept per device, stream and tail plan, in front of the
+    plan's words) is back at zero after the calls (kernels/sm90/fwd.py: TailPlan)."""
+    from cute_flash import dispatch, forward_sm90
+    from cute_flash.kernels.sm90.fwd import TailPlan
+
+    for _, counters in forward_sm90._counters.values():
+        assert int(counters[:TailPlan.plan_offset(dispatch.sm_count())].abs().sum()) == 0

@@ -8,7 +8,7 @@ from cute_flash import dispatch
 
 from cute_flash.reference import causal_allowed
 
-from .common import assert_forward_close, randn
+from .common import assert_counters_at_zero, assert_forward_close, randn
 
 pytestmark = pytest.mark.gpu
 
@@ -140,13 +140,10 @@ def test_dynamic_schedule(family, head_dim, causal):
     global counter as they finish one (kernels/sm90/fwd.py: fetch_unit); here with more tiles than
     SMs and GQA (non-causal: the last round split into pieces), twice in a row: the last fetch of
     each call leaves the counter at zero."""
-    from cute_flash import forward_sm90
-
     torch.manual_seed(head_dim + 13 * causal)
     assert dispatch.length_class(4600, causal) == "long"
     check_shape(1, (4500, 4600), 8, 2, head_dim, causal, calls=2)
-    for counters in forward_sm90._counters.values():
-        assert int(counters.abs().sum()) == 0
+    assert_counters_at_zero()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -210,13 +207,10 @@ def test_scores_overflowing_running_max(family, head_dim, causal, dtype):
 def test_short_dynamic_schedule(family, head_dim, dtype):
     """Short non-causal d128-d256 (up to 1024 keys) also take their tiles from the global counter:
     here with four times more tiles than SMs, GQA and a ragged query count, twice in a row."""
-    from cute_flash import forward_sm90
-
     torch.manual_seed(head_dim + 29)
     assert dispatch.length_class(1000, False) == "short"
     check_shape(4, (1000, 1000), 16, 4, head_dim, False, dtype=dtype, calls=2)
-    for counters in forward_sm90._counters.values():
-        assert int(counters.abs().sum()) == 0
+    assert_counters_at_zero()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -227,13 +221,10 @@ def test_64_column_blocks(family, head_dim, seqlens, causal, dtype):
     """Short d192, and d256 up to 512 keys, run 64-column K/V blocks (length_config): more tiles
     than SMs, GQA, ragged query and key counts (449 keys: a last block of one column), twice in a
     row (non-causal: on the global counter, which each call leaves at zero)."""
-    from cute_flash import forward_sm90
-
     torch.manual_seed(head_dim + 5 * causal + seqlens[1])
     assert dispatch.length_class(seqlens[1], causal) == ("short_512" if seqlens[1] <= 512 else "short")
     check_shape(4, seqlens, 16, 4, head_dim, causal, dtype=dtype, calls=2)
-    for counters in forward_sm90._counters.values():
-        assert int(counters.abs().sum()) == 0
+    assert_counters_at_zero()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -307,36 +298,43 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("head_dim,batch,seqlens,nheads,nheads_kv,plan_on_132", [
-    (128, 1, (2200, 3001), 64, 64, (0, 1)),   # 12 x 64 = 768 tiles of 192 rows: 108 left over, no split
-    (128, 1, (2300, 3001), 58, 29, (36, 3)),  # 12 x 58 = 696 tiles: the last 36 run as 3 pieces each
-    (64, 2, (3000, 2500), 5, 1, (28, 4)),     # 16 x 10 = 160 tiles: the last 28 run as 4 pieces each
-    (128, 1, (5000, 6000), 1, 1, (27, 4)),    # fewer tiles than SMs: each one in 4 pieces
-    (64, 3, (300, 4100), 2, 2, (12, 4)),      # short query, long keys: 12 tiles, 4 pieces each
-    (128, 5, (256, 2500), 9, 3, (60, 2)),     # 2 x 45 = 90 tiles, 60 of work (the second has 64 rows)
+    (128, 1, (2200, 3001), 64, 64, None),           # 12 x 64 = 768 tiles of 192 rows: 108 left over, no split
+    (128, 1, (2300, 3001), 58, 29, (36, 108)),  # 12 x 58 = 696 tiles: the last 36 run as 3 pieces each
+    (64, 2, (3000, 2500), 5, 1, (28, 112)),     # 16 x 10 = 160 tiles: the last 28 run as 4 pieces each
+    (128, 1, (5000, 6000), 1, 1, (27, 108)),    # fewer tiles than SMs: each one in 4 pieces
+    (64, 3, (300, 4100), 2, 2, (12, 48)),        # short query, long keys: 12 tiles, 4 pieces each
+    (128, 5, (256, 2500), 9, 3, (60, 120)),     # 2 x 45 = 90 tiles, 60 of work (the second has 64 rows)
+    # Stream-K tails: 76 / 92 tiles left over, all 208 / 224 tiles in 132 equal shares of blocks
+    (256, 1, (2048, 3990), 13, 1, (208, 336)),
+    (128, 1, (3072, 6000), 14, 7, (224, 352)),
+    (256, 2, (1024, 6001), 6, 2, (96, 216)),    # 96 tiles for 132 SMs, up to three pieces a tile
 ])
 def test_tail_split(family, monkeypatch, dtype, head_dim, batch, seqlens, nheads, nheads_kv, plan_on_132):
-    """Long non-causal problems run persistent CTAs whose last, partial round of tiles is cut along
-    the keys into pieces that merge through a global workspace (kernels/sm90/fwd.py:
-    tail_split_plan, merge_pieces). The piece counters are left at zero for the next call. On an
-    H100's 132 SMs the sm90 kernel must have planned `plan_on_132`."""
+    """Long non-causal problems run persistent CTAs whose last tiles are cut along the keys into
+    pieces that merge through a global workspace (kernels/sm90/fwd.py: tail_plan, TailPlan,
+    merge_pieces): equal pieces within the last round, or stream-K shares over the last two. The
+    counters are left at zero for the next call. On an H100's 132 SMs the sm90 kernel must have
+    planned `plan_on_132`: (tail tiles, pieces)."""
     from cute_flash import forward_sm90
     from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
 
-    plans, planner = [], FlashAttnFwdSm90.tail_split_plan
+    plans, planner = [], FlashAttnFwdSm90.tail_plan
 
     def recorded_plan(*args):
-        plans.append(planner(*args))
-        return plans[-1]
+        plan = planner(*args)
+        plans.append(None if plan is None else (plan.tiles, len(plan.units)))
+        return plan
 
-    monkeypatch.setattr(FlashAttnFwdSm90, "tail_split_plan", staticmethod(recorded_plan))
+    monkeypatch.setattr(FlashAttnFwdSm90, "tail_plan", staticmethod(recorded_plan))
+    forward_sm90._tail_plan.cache_clear()
     torch.manual_seed(head_dim + seqlens[0])
     assert dispatch.length_class(seqlens[1], False) == "long"
-    # The second call reuses the counters the first one left behind.
+    # The second call reuses the counters and the plan the first one left behind.
     check_shape(batch, seqlens, nheads, nheads_kv, head_dim, False, dtype=dtype, calls=2)
-    for counters in forward_sm90._counters.values():
-        assert int(counters.abs().sum()) == 0
+    assert_counters_at_zero()
+    forward_sm90._tail_plan.cache_clear()
     if family != "sm80" and dispatch.sm_count() == 132:
-        assert plans == [plan_on_132] * 2
+        assert plans == [plan_on_132]
 
 
 def test_one_compile_serves_every_length(family):
