@@ -67,8 +67,10 @@ _WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themsel
 _MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
 _MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
 # Stream-K tails only where a tile has this many K/V blocks: a piece's prologue, workspace
-# round trip and merge must stay small against its share (long problems; 4k keys of d256: 52).
-_STREAM_K_MIN_BLOCKS = 48
+# round trip (128 KB of float32 O each way at d256, at the SM's share of DRAM bandwidth) and
+# merge must stay small against its share. Measured (d256 bf16, session 37, every piece through
+# the workspace): 16k keys (205 blocks) +0.7 / +2.3%, 8k -6%, 4k -22%.
+_STREAM_K_MIN_BLOCKS = 128
 _SCHED_STAGES = 2  # next-unit slots between the producer and the consumers (dynamic_schedule)
 # The walk plan's cost model (planned_tail): a tile costs this many K/V blocks' time besides its
 # blocks (its prologue, epilogue and first loads). Per-CTA timeline, causal d128 512 keys (session
@@ -126,8 +128,8 @@ class TailPlan:
         edge move to it. Pieces go out in the order their shares would start them with every SM
         starting its share at once, so that the dynamic schedule, which hands the next unit to
         the first SM free, keeps each SM's total at one share. A tile that one share covers is one
-        piece (it still goes through the workspace). None when no tiles are left over or a tile
-        would come in more than _MAX_SPLITS pieces."""
+        piece, which stores its O itself. None when no tiles are left over or a tile would come in
+        more than _MAX_SPLITS pieces."""
         leftover = num_tiles % num_sms
         if leftover == 0:
             return None
@@ -1266,7 +1268,11 @@ class FlashAttnFwdSm90:
                 store = partial(self.epilogue, acc_O, softmax.row_sum, tOcO_mn, smem_copy_O, sO_tile, tma_atom_O,
                                 mO, mO_gmem, gmem_copy_O, mLSE, tidx_tile, wg_idx, m_block, head, batch, seqlen_q)
             if const_expr(self.splits_tail):
-                if slot < 0:
+                # A tile that one piece covers (stream_k) stores itself, like a whole tile.
+                whole = slot < 0
+                if not whole:
+                    whole = self.tail_plan_words(split)[slot * TailPlan.UNIT_WORDS + 3] == 1
+                if whole:
                     store()
                 else:
                     self.merge_pieces(acc_O, softmax.row_sum, tOcO_mn, tidx_tile, slot, split, mO_gmem, mLSE,

@@ -223,8 +223,8 @@ def _greedy_end(plan, whole_tiles: int, num_n_blocks: int, num_sms: int) -> int:
     return max(free)
 
 
-@pytest.mark.parametrize("num_tiles,num_n_blocks", [(1024, 205), (512, 103), (256, 52), (208, 50), (224, 75),
-                                                    (96, 76), (80, 100), (1280, 147), (200, 48)])
+@pytest.mark.parametrize("num_tiles,num_n_blocks", [(1024, 205), (512, 206), (256, 130), (208, 150), (224, 175),
+                                                    (96, 176), (80, 200), (1280, 147), (200, 128)])
 def test_stream_k_tail(num_tiles, num_n_blocks):
     """TailPlan.stream_k covers every block of its tiles once, cuts no tile in more than
     _MAX_SPLITS pieces nor any piece under _MIN_PIECE_BLOCKS (but a tile's own length), and on
@@ -264,7 +264,7 @@ def test_tail_plan_choice():
     assert plan(1024, 205, 132, 1024, dynamic_schedule=True).tiles == 232
     assert plan(1024, 205, 132, 1024, dynamic_schedule=False) is None  # a static walk keeps its order
     assert plan(1024, 205, 132, 1020, dynamic_schedule=True) is None  # heads' last tiles cost less
-    assert plan(1024, 47, 132, 1024, dynamic_schedule=True) is None  # pieces too short
+    assert plan(1024, 127, 132, 1024, dynamic_schedule=True) is None  # pieces too short
     assert plan(1056, 205, 132, 1056, dynamic_schedule=True) is None  # eight full rounds
 
 

@@ -305,9 +305,9 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
     (64, 3, (300, 4100), 2, 2, (12, 48)),        # short query, long keys: 12 tiles, 4 pieces each
     (128, 5, (256, 2500), 9, 3, (60, 120)),     # 2 x 45 = 90 tiles, 60 of work (the second has 64 rows)
     # Stream-K tails: 76 / 92 tiles left over, all 208 / 224 tiles in 132 equal shares of blocks
-    (256, 1, (2048, 3990), 13, 1, (208, 336)),
-    (128, 1, (3072, 6000), 14, 7, (224, 352)),
-    (256, 2, (1024, 6001), 6, 2, (96, 216)),    # 96 tiles for 132 SMs, up to three pieces a tile
+    (256, 1, (2048, 10300), 13, 1, (208, 336)),
+    (128, 1, (3072, 10300), 14, 7, (224, 352)),
+    (256, 2, (1024, 10241), 6, 2, (96, 216)),   # 96 tiles for 132 SMs, up to three pieces a tile
 ])
 def test_tail_split(family, monkeypatch, dtype, head_dim, batch, seqlens, nheads, nheads_kv, plan_on_132):
     """Long non-causal problems run persistent CTAs whose last tiles are cut along the keys into
