@@ -22,7 +22,8 @@ _counters: dict[tuple, tuple[TailPlan | None, torch.Tensor]] = {}
 _unused: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
-def _counters_for(device: torch.device, num_sms: int, plan: TailPlan | None = None, plan_key: tuple = ()) -> torch.Tensor:
+def _counters_for(device: torch.device, num_sms: int, plan: TailPlan | None = None,
+                  plan_key: tuple = ()) -> torch.Tensor:
     """The zeroed counters (TailPlan.plan_offset of them) and after them the words of `plan`, kept
     per (device, stream, plan_key) while the plan is the same."""
     stream = torch.cuda.current_stream(device).cuda_stream

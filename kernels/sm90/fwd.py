@@ -66,10 +66,10 @@ _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running 
 _WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themselves
 _MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
 _MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
-# Stream-K tails only where a tile has this many K/V blocks: a piece's prologue, workspace
-# round trip (128 KB of float32 O each way at d256, at the SM's share of DRAM bandwidth) and
-# merge must stay small against its share. Measured (d256 bf16, session 37, every piece through
-# the workspace): 16k keys (205 blocks) +0.7 / +2.3%, 8k -6%, 4k -22%.
+# Stream-K tails only where a tile has this many K/V blocks: a share's pieces cost about 20 us
+# per SM (each refills the pipeline behind Q's buffer, writes its float32 O to the workspace, and
+# half of them merge), which only long tiles repay. Measured (d256, bf16 / fp16, session 37):
+# 16k keys (205 blocks) +0.6 to +2.4%, 8k (103) -2 to -3%, 4k (52) -14 to -15%.
 _STREAM_K_MIN_BLOCKS = 128
 _SCHED_STAGES = 2  # next-unit slots between the producer and the consumers (dynamic_schedule)
 # The walk plan's cost model (planned_tail): a tile costs this many K/V blocks' time besides its
@@ -110,9 +110,9 @@ class TailPlan:
         slots: dict[int, list[int]] = {}
         for slot, (tile, _, _) in enumerate(self.units):
             slots.setdefault(tile, []).append(slot)
+        padded = {tile: own + own[-1:] * (_MAX_SPLITS - len(own)) for tile, own in slots.items()}
         whole = self.whole_tiles(num_tiles)
-        return [w for tile, lo, hi in self.units for w in (
-            whole + tile, lo, hi, len(slots[tile]), *(slots[tile] + slots[tile][-1:] * (_MAX_SPLITS - len(slots[tile]))))]
+        return [w for tile, lo, hi in self.units for w in (whole + tile, lo, hi, len(slots[tile]), *padded[tile])]
 
     @staticmethod
     def even(split_tiles: int, splits: int, num_n_blocks: int) -> "TailPlan":
@@ -602,10 +602,10 @@ class FlashAttnFwdSm90:
         """The pieces of one call's tail (TailPlan), None for none. Equal pieces all in the last
         round where tail_split_plan finds them; otherwise, on the dynamic schedule, with tiles of
         equal cost and at least _STREAM_K_MIN_BLOCKS blocks a tile, equal shares of the last two
-        rounds' blocks per SM (TailPlan.stream_k). Why: 128-row d256 tiles leave 100 / 116 / 124 of 132 SMs busy in
-        the last round at 16k / 8k / 4k tokens (8 heads), too many to split within the round;
-        a full last round measured +2% TFLOP/s for both ours and FA4 (seqlen_q 16896 / 8448 / 4224
-        against 16384 / 8192 / 4096, session 37)."""
+        rounds' blocks per SM (TailPlan.stream_k). Why: 128-row d256 tiles leave 100 / 116 / 124
+        of 132 SMs busy in the last round at 16k / 8k / 4k tokens (8 heads), too many to split
+        within the round; a full last round measured +2% TFLOP/s for both ours and FA4 (seqlen_q
+        16896 / 8448 / 4224 against 16384 / 8192 / 4096, session 37)."""
         split_tiles, splits = FlashAttnFwdSm90.tail_split_plan(num_tiles, num_n_blocks, num_sms, work_tiles)
         if split_tiles:
             return TailPlan.even(split_tiles, splits, num_n_blocks)
@@ -873,8 +873,8 @@ class FlashAttnFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sVt = storage.sV.get_tensor(sVt_layout.outer, swizzle=sVt_layout.inner)
-        split = SimpleNamespace(whole_tiles=whole_tiles, units=split_units, mO=mOpiece, mLSE=mLSEpiece, mCount=mPieceCount,
-                                done=storage.pieces_done.get_tensor(cute.make_layout(1)))
+        split = SimpleNamespace(whole_tiles=whole_tiles, units=split_units, mO=mOpiece, mLSE=mLSEpiece,
+                                mCount=mPieceCount, done=storage.pieces_done.get_tensor(cute.make_layout(1)))
         sO = sQ
         if const_expr(self.separate_o):
             sQ_stage_layout = cute.slice_(sQ_layout, (None, None, 0))
