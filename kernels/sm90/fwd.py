@@ -1007,10 +1007,10 @@ class FlashAttnFwdSm90:
         return cute.ceil_div(seqlen_q, self.tile_m) * num_heads * num_batch
 
     def num_units(self, seqlen_q, num_heads, num_batch, split):
-        units = self.num_tiles(seqlen_q, num_heads, num_batch)
+        """Tiles, or for a tail-splitting kernel the host's count of whole tiles and pieces."""
         if const_expr(self.splits_tail):
-            units = split.whole_tiles + split.units
-        return units
+            return split.whole_tiles + split.units
+        return self.num_tiles(seqlen_q, num_heads, num_batch)
 
     def tail_plan_words(self, split):
         """The tail plan after the counters, viewed where it is read (TailPlan.words)."""
@@ -1025,15 +1025,15 @@ class FlashAttnFwdSm90:
         slot i, its tile and blocks in row i of the tail plan (TailPlan)."""
         tile = unit
         slot = Int32(-1)
+        plan = self.tail_plan_words(split) if const_expr(self.splits_tail) else None
         if const_expr(self.splits_tail):
             if unit >= split.whole_tiles:
                 slot = unit - split.whole_tiles
-                tile = self.tail_plan_words(split)[slot * TailPlan.UNIT_WORDS]
+                tile = plan[slot * TailPlan.UNIT_WORDS]
         m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
         n_block_min, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
         if const_expr(self.splits_tail):
             if slot >= 0:
-                plan = self.tail_plan_words(split)
                 n_block_min, n_block_max = plan[slot * TailPlan.UNIT_WORDS + 1], plan[slot * TailPlan.UNIT_WORDS + 2]
         return m_block, head, batch, n_block_min, n_block_max, slot
 
