@@ -63,7 +63,6 @@ _SPLIT_BARRIER = 8  # consumer warp groups around a tail-split piece's hand-off
 
 _SMEM_BYTES = 227 * 1024
 _L2_BYTES = 50 * 1024 * 1024  # the H100's L2: what K/V of concurrently running heads may fill
-_WAVE_M_BLOCKS = 128  # tiles of one head that fill an H100 (132 SMs) by themselves
 _MAX_SPLITS = 4  # pieces per tail tile: each adds a prologue, a workspace slot and a merge read
 _MIN_PIECE_BLOCKS = 2  # K/V blocks per piece, so that a piece still overlaps its GEMMs
 # Stream-K tails only where a tile has this many K/V blocks: a share's pieces cost about 20 us
@@ -905,10 +904,11 @@ class FlashAttnFwdSm90:
         should start first (longest processing time first), but tiles running at the same time
         should also share K/V in L2. "head": descending m_block within each (head, batch) pair.
         "l2": descending m_block across groups of pairs whose K and V fit in L2 together (a power
-        of two of them, as FA4 does), and per head once one head has _WAVE_M_BLOCKS tiles, enough
-        to fill the H100 alone. Measured (causal, bf16, against the former 40 MB groups of any
-        size and "head"): 8k d256 700 vs 600/636 TFLOP/s, d128 600 vs 573/577; d64 +2% at 8k-16k;
-        at 16k d128/d256 "head" leads by 2-3%.
+        of two of them, as FA4 does). Measured (causal, bf16, against the former 40 MB groups of
+        any size and "head"): 8k d256 700 vs 600/636 TFLOP/s, d128 600 vs 573/577; d64 +2% at
+        8k-16k. At 16k d192 / d256 (two heads a group) against "head": +0.8 / +2.8% and +0.8 /
+        +2.1% (bf16 / fp16, interleaved A/B, session 38); "head" led there in session 4, with one
+        CTA per tile and no dynamic schedule.
         """
         num_m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         hb = tile // num_m_blocks
@@ -920,10 +920,7 @@ class FlashAttnFwdSm90:
         if const_expr(self.lpt == "l2"):
             kv_tokens_in_l2 = _L2_BYTES // (2 * self.head_dim * self.dtype.width // 8)
             group = cutlass.max(Int32(kv_tokens_in_l2) // cutlass.max(seqlen_k, 1), 1)
-            log2_group = Int32(31) - Int32(cute.arch.clz(group))
-            if num_m_blocks >= _WAVE_M_BLOCKS:
-                log2_group = Int32(0)
-            group = Int32(1) << log2_group
+            group = Int32(1) << (Int32(31) - Int32(cute.arch.clz(group)))
             num_hb = num_heads * num_batch
             group_idx = tile // (group * num_m_blocks)
             in_group = tile - group_idx * (group * num_m_blocks)
