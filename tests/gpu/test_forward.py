@@ -146,6 +146,16 @@ def test_dynamic_schedule(family, head_dim, causal):
     assert_counters_at_zero()
 
 
+def test_causal_l2_groups_of_long_heads(family):
+    """Causal tiles run longest first across groups of heads whose K/V fit in L2 together
+    (kernels/sm90/fwd.py: tile_coord), also where one head alone has more tiles than there are
+    SMs: 128 m_blocks of 128 rows, K/V of 16300 keys (two heads a group), three heads, so that
+    the last group has one; MQA, twice in a row."""
+    torch.manual_seed(38)
+    check_shape(1, (16300, 16300), 3, 1, 256, True, calls=2)
+    assert_counters_at_zero()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("head_dim,seqlens", [(64, (1000, 1000)), (64, (4500, 4600)), (96, (4500, 4600)),
