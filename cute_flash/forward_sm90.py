@@ -4,13 +4,14 @@ A persistent non-causal kernel cuts the tiles at the end of its walk into pieces
 (kernels/sm90/fwd.py, `tail_plan`). Per call that takes a float32 workspace for the pieces' O
 and LSE, from torch's caching allocator, and one counter per split tile. A persistent kernel with
 the dynamic schedule takes one more counter, its next unit. The kernel leaves every counter at
-zero: they are allocated once per (device, stream), with the tail plan of a problem shape after
-them, and reused. A causal kernel with a planned tail (`planned_tail`) takes its walk plan in the
+zero: they are allocated once per (device, stream, problem shape), the shape's tail plan after
+them, and reused (the last _KEPT_PLANS of them). A causal kernel with a planned tail (`planned_tail`) takes its walk plan in the
 counters' place: made once per (device, problem shape) and kept.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import lru_cache
 from typing import Callable
 
@@ -18,20 +19,28 @@ import torch
 
 from .kernels.sm90.fwd import FlashAttnFwdSm90, TailPlan
 
-_counters: dict[tuple, tuple[TailPlan | None, torch.Tensor]] = {}
+_KEPT_PLANS = 256
+_counters: OrderedDict[tuple, tuple[TailPlan | None, torch.Tensor]] = OrderedDict()
 _unused: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
 
 
 def _counters_for(device: torch.device, num_sms: int, plan: TailPlan | None = None,
                   plan_key: tuple = ()) -> torch.Tensor:
     """The zeroed counters (TailPlan.plan_offset of them) and after them the words of `plan`, kept
-    per (device, stream, plan_key) while the plan is the same."""
+    per (device, stream, plan_key) while the plan is the same (the last _KEPT_PLANS keys)."""
     stream = torch.cuda.current_stream(device).cuda_stream
     key = (device.index, stream, *plan_key)
     kept = _counters.get(key)
     if kept is None or kept[0] is not plan:
         words = [0] * TailPlan.plan_offset(num_sms) + (plan.words(plan_key[0]) if plan is not None else [])
         kept = _counters[key] = (plan, torch.tensor(words, dtype=torch.int32, device=device))
+        # Bounded, as _tail_plan is: one small tensor per problem shape would otherwise stay for
+        # good. A dropped tensor's memory goes back to its stream's pool, so a kernel still queued
+        # on that stream finishes with it before anything else gets it.
+        if len(_counters) > _KEPT_PLANS:
+            del _counters[next(iter(_counters))]
+    else:
+        _counters.move_to_end(key)
     return kept[1]
 
 
@@ -90,6 +99,6 @@ def launcher(compiled, config: dict) -> Callable:
     return launch
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=_KEPT_PLANS)
 def _tail_plan(num_tiles: int, num_n_blocks: int, num_sms: int, work_tiles: int, dynamic_schedule: bool):
     return FlashAttnFwdSm90.tail_plan(num_tiles, num_n_blocks, num_sms, work_tiles, dynamic_schedule)
