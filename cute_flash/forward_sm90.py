@@ -5,8 +5,9 @@ A persistent non-causal kernel cuts the tiles at the end of its walk into pieces
 and LSE, from torch's caching allocator, and one counter per split tile. A persistent kernel with
 the dynamic schedule takes one more counter, its next unit. The kernel leaves every counter at
 zero: they are allocated once per (device, stream, problem shape), the shape's tail plan after
-them, and reused (the last _KEPT_PLANS of them). A causal kernel with a planned tail (`planned_tail`) takes its walk plan in the
-counters' place: made once per (device, problem shape) and kept.
+them, and reused (the last _KEPT_PLANS of them). A causal kernel with a planned tail
+(`planned_tail`) takes its walk plan in the counters' place: made once per (device, problem
+shape) and kept.
 """
 
 from __future__ import annotations
