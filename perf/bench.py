@@ -110,7 +110,7 @@ def peak_of_one_call(m, pass_: str, sets: list[tuple], cell: Cell, scale: float)
 def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: float, clock, n_sets: int,
                  flush: bool, target_s: float, seed: int) -> dict[str, dict]:
     """Each method's timing row (or failure status) for one pass; the methods take turns on the
-    GPU in a fresh random order each round, so none always runs right after the same other."""
+    GPU in carryover-balanced orders, so each follows every other equally often."""
     runs, measured = {}, {}
     for m in methods:
         try:
@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         "filters": {k: getattr(args, k) for k in ("headdims", "seqlens", "passes", "causal") if getattr(args, k)},
         "timing": {"target_s": args.target_s, "clock": "cuda events per call, GPU held busy ahead of the host",
                    "statistic": "median, p10/p90, IQR over reps; first call excluded",
-                   "order": "a cell's methods take turns over >= 5 rounds, in a fresh random order each round"},
+                   "order": "a cell's methods take turns over >= 10 rounds in carryover-balanced orders "
+                            "(each method follows every other equally often); SM clock read mid-burst"},
     }
 
     total = sum(len(c.passes) * len(usable) for s in runnable for c in s.cells)

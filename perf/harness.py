@@ -5,8 +5,8 @@
 that host launch cost does not leak into device time, and an L2 flush when the input sets are
 small enough to stay cached), `WallClock` elsewhere (tests). Every call's output is dropped
 before the next, so no method reuses an output buffer it just wrote.
-`measure_times_interleaved` times several methods in turns, in a fresh random order each
-round, so that no method always runs right after the same other one.
+`measure_times_interleaved` times several methods in turns, over rounds whose orders are
+carryover-balanced: each method follows every other equally often.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import time
 from typing import Callable, Mapping
 
 import torch
+
+from . import nvml
 
 # ----------------------------------------------------------------------------- statistics
 
@@ -55,6 +57,25 @@ def round_medians(times_ms: list[float], round_ends: Mapping[int, int], rounds: 
         medians.append(statistics.median(times_ms[start:end]) if end > start else None)
         start = end
     return medians
+
+
+def carryover_balanced_orders(n: int) -> list[list[int]]:
+    """Orders of methods 0..n-1 in which each method takes each place equally often and follows
+    every other method equally often (a Williams design: n orders for even n, 2n for odd n).
+    A method timed right after a slower one runs a few percent fast (perf/NOTES.md, session 14);
+    with orders drawn at random, 10 rounds of three methods let one method follow the slowest
+    one in 2 rounds and another in 6 often enough to move a ratio by a percent."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(m + shift) % n for m in first] for shift in range(n)]
+    if n % 2:
+        orders += [order[::-1] for order in orders]
+    return orders
 
 
 # ----------------------------------------------------------------------------- errors
@@ -99,6 +120,9 @@ class WallClock:
     def hold(self, seconds: float) -> None:
         pass
 
+    def sm_mhz(self) -> int | None:
+        return None
+
     def flush_l2(self) -> None:
         pass
 
@@ -118,6 +142,7 @@ class CudaClock:
     def __init__(self, l2_bytes: int):
         self._flush = torch.empty(max(2 * l2_bytes, 1 << 20), dtype=torch.int8, device="cuda")
         self._cycles_per_s = self._calibrate_sleep()
+        self._sm_clock = nvml.SmClock(nvml.cuda_device_uuid(torch.cuda.current_device()))
 
     @staticmethod
     def _calibrate_sleep() -> float:
@@ -136,6 +161,10 @@ class CudaClock:
         """Keep the GPU busy for `seconds` so the host can queue the next calls ahead of it."""
         if seconds > 0:
             torch.cuda._sleep(int(min(seconds, 0.5) * self._cycles_per_s))
+
+    def sm_mhz(self) -> int | None:
+        """The SM clock now (NVML), or None where NVML cannot be read."""
+        return self._sm_clock.mhz()
 
     def flush_l2(self) -> None:
         self._flush.zero_()
@@ -173,9 +202,11 @@ class _Timed:
     run_once: Callable[[int], object]
     reps: int
     host_s: float
+    per_call_s: float
     marks: list = dataclasses.field(default_factory=list)
     calls: int = 0
     round_ends: dict = dataclasses.field(default_factory=dict)  # round -> len(marks) after it
+    round_sm_mhz: dict = dataclasses.field(default_factory=dict)  # round -> SM clock mid-burst
 
 
 def _calibrate(run_once, n_sets: int, clock, target_s: float, min_reps: int, max_reps: int) -> _Timed:
@@ -192,11 +223,13 @@ def _calibrate(run_once, n_sets: int, clock, target_s: float, min_reps: int, max
     clock.sync()
     per_call = (time.perf_counter() - t0) / 3
     reps = int(max(min_reps, min(max_reps, target_s / max(per_call, 1e-9))))
-    return _Timed(run_once, reps, statistics.median(host))
+    return _Timed(run_once, reps, statistics.median(host), per_call)
 
 
-def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool, hold_s: float) -> None:
-    """`n` back-to-back timed calls, queued behind a GPU sleep of `hold_s` that hides their launches."""
+def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool, hold_s: float) -> int | None:
+    """`n` back-to-back timed calls, queued behind a GPU sleep of `hold_s` that hides their
+    launches; returns the SM clock read while the middle of them runs (None without NVML)."""
+    queued_at = time.perf_counter()
     clock.hold(hold_s)
     for _ in range(n):
         if flush_l2:
@@ -206,7 +239,11 @@ def _timed_calls(t: _Timed, n: int, n_sets: int, clock, flush_l2: bool, hold_s: 
         t.marks.append(clock.stop(token))
         del out
         t.calls += 1
+    # The host is done queueing; the GPU works through the sleep and then the calls.
+    time.sleep(max(0.0, queued_at + hold_s + 0.5 * n * t.per_call_s - time.perf_counter()))
+    sm_mhz = clock.sm_mhz()
     clock.sync()
+    return sm_mhz
 
 
 def _calls_in_round(reps: int, rounds: int, i_round: int) -> int:
@@ -232,14 +269,16 @@ def measure_times_interleaved(
 ) -> dict[str, dict | Exception]:
     """Median and spread (ms) of each of several `run_once`s that take turns on the GPU.
 
-    Each method's repetitions are split over the same rounds, and every round visits the
-    methods in a fresh random order: a method timed right after a slower one can run a few
-    percent fast (presumably clocks and power state carry over; not measured), so a fixed
-    order biases the ratios.
+    Each method's repetitions are split over the same rounds. The rounds' orders form whole
+    carryover-balanced designs (`carryover_balanced_orders`, shuffled, methods assigned at random
+    by `seed`), so the round count is rounded up to a multiple of the design's length: a method
+    timed right after a slower one can run a few percent fast, and a balanced design gives
+    every method that advantage equally often.
     A method that raises gets its exception as its result and the others go on.
     `burst` caps one method's calls per round (more rounds when a method needs more calls).
     Each result also lists its median per round (`round_medians`, None where the method had no
-    call that round), so that methods can be compared round by round (results.paired_speedup).
+    call that round), so that methods can be compared round by round (results.paired_speedup),
+    and the SM clock read in the middle of each round's calls (`round_sm_mhz`, None without NVML).
     """
     results: dict[str, dict | Exception] = {}
     timed: dict[str, _Timed] = {}
@@ -249,7 +288,11 @@ def measure_times_interleaved(
         except Exception as exc:  # noqa: BLE001 - the caller records it
             results[name] = exc
             release_memory()
+    if not timed:
+        return results
+    design = carryover_balanced_orders(len(timed))
     rounds = max([min_rounds] + [math.ceil(t.reps / burst) for t in timed.values()])
+    rounds = math.ceil(rounds / len(design)) * len(design)
     # Every method's calls of a round wait behind the same sleep, long enough to queue the calls
     # of the method with the most host time per round, so no method rests longer before its
     # bursts than another (sized per method, FA4's sleeps were 2-3x ours; measured on the H100,
@@ -257,12 +300,16 @@ def measure_times_interleaved(
     flush_s = 20e-6 if flush_l2 else 0.0
     hold_s = 1.5 * max((math.ceil(t.reps / rounds) * (t.host_s + flush_s) for t in timed.values()), default=0.0)
     rng = random.Random(seed)
-    for i_round in range(rounds):
-        active = [name for name, t in timed.items() if name not in results and _calls_in_round(t.reps, rounds, i_round)]
-        for name in rng.sample(active, len(active)):
+    names = rng.sample(list(timed), len(timed))
+    orders = [[names[m] for m in order] for _ in range(rounds // len(design)) for order in rng.sample(design, len(design))]
+    for i_round, order in enumerate(orders):
+        for name in order:
             t = timed[name]
+            n = _calls_in_round(t.reps, rounds, i_round)
+            if name in results or not n:
+                continue
             try:
-                _timed_calls(t, _calls_in_round(t.reps, rounds, i_round), n_sets, clock, flush_l2, hold_s)
+                t.round_sm_mhz[i_round] = _timed_calls(t, n, n_sets, clock, flush_l2, hold_s)
                 t.round_ends[i_round] = len(t.marks)
             except Exception as exc:  # noqa: BLE001 - the caller records it
                 results[name] = exc
@@ -273,6 +320,7 @@ def measure_times_interleaved(
             stats = summarize(times_ms)
             stats["host_ms_per_call"] = t.host_s * 1e3
             stats["round_medians"] = round_medians(times_ms, t.round_ends, rounds)
+            stats["round_sm_mhz"] = [t.round_sm_mhz.get(r) for r in range(rounds)]
             results[name] = stats
     return {name: results[name] for name in runs}
 

@@ -11,7 +11,8 @@ One JSON document per `bench` run:
 "complete" is false while the run is still going (the file is rewritten after every cell, so
 a run cut short keeps what it measured). A measurement is one (suite, cell, pass, method): the cell's shape fields, "kind" ("speed" or
 "memory"), "status" ("ok", "oom", "unsupported: ...", "error: ..."), and when ok either
-"time_ms" (median, p10, p90, iqr, min, max, reps, host_ms_per_call, round_medians), "tflops",
+"time_ms" (median, p10, p90, iqr, min, max, reps, host_ms_per_call, round_medians,
+round_sm_mhz), "tflops",
 "tokens_per_s", or "peak_bytes". A speed ratio also carries "paired": ours against the peer
 round by round (paired_speedup).
 """

@@ -147,7 +147,38 @@ def test_interleaved_methods_take_turns_in_a_fresh_order_each_round():
     assert len(timed) == 40
     firsts = [timed[4 * r] for r in range(10)]  # two calls per method per round
     assert all(len(set(timed[4 * r:4 * r + 2])) == 1 for r in range(10))  # a round's share runs together
-    assert set(firsts) == {"a", "b"}  # neither method always goes first
+    assert firsts.count("a") == firsts.count("b") == 5  # each goes first in half the rounds
+
+
+def test_balanced_orders_let_each_method_follow_every_other_equally_often():
+    for n in range(1, 7):
+        orders = harness.carryover_balanced_orders(n)
+        assert len(orders) == (n if n % 2 == 0 else 2 * n)
+        assert all(sorted(order) == list(range(n)) for order in orders)
+        for place in range(n):  # each method in each place equally often
+            assert sorted(order[place] for order in orders) == sorted(list(range(n)) * (len(orders) // n))
+        follows = {}
+        for order in orders:
+            for before, after in zip(order, order[1:]):
+                follows[before, after] = follows.get((before, after), 0) + 1
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+
+
+def test_three_methods_each_follow_each_other_in_as_many_rounds():
+    calls = []
+
+    class RoundClock(harness.WallClock):
+        def hold(self, seconds):
+            calls.append("|")
+
+    times = harness.measure_times_interleaved(
+        {name: (lambda i, name=name: calls.append(name)) for name in "abc"}, 1, RoundClock(),
+        min_reps=12, max_reps=12, min_rounds=10, seed=7)
+    assert len(times["a"]["round_medians"]) == 12  # 10 rounded up to two whole 6-order designs
+    assert times["a"]["round_sm_mhz"] == [None] * 12  # the wall clock reads no SM clock
+    bursts = [b[0] for b in "".join(calls).split("|")[1:]]
+    rounds = ["".join(bursts[3 * r:3 * r + 3]) for r in range(12)]
+    assert sorted(rounds) == sorted(["abc", "acb", "bac", "bca", "cab", "cba"] * 2)
 
 
 def test_methods_with_different_call_counts_share_every_round():
@@ -185,7 +216,7 @@ def test_every_method_waits_behind_the_same_sleep_each_round():
     times = harness.measure_times_interleaved({"fast": lambda i: None, "slow": slow_host}, 1, clock,
                                               min_reps=10, max_reps=10, min_rounds=5)
     assert times["fast"]["reps"] == 10 and times["slow"]["reps"] == 10
-    assert len(clock.holds) == 10  # one per method per round
+    assert len(clock.holds) == 12  # one per method per round; 5 rounds rounded up to whole (2-order) designs
     assert max(clock.holds) == min(clock.holds)
     assert clock.holds[0] >= 1.5 * 2 * 0.002  # covers the slow method's two calls per round
 
