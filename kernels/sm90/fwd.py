@@ -463,7 +463,9 @@ class FlashAttnFwdSm90:
         * recompute_epilogue (see __init__): long non-causal d64, short non-causal d256, short
           causal d128.
         * q_by_group (see __init__; session 8, interleaved runs 3-9 of the variant log): d256 short and mid +0.7 to
-          +1.8% in every cell, long causal d256 with per-group O stores +0.7 to +2.9%, short
+          +1.8% in every cell, long causal d256 with per-group O stores +0.7 to +2.9%, long
+          non-causal d256 with them in bf16 +0.6 to +1.8% at 4k / 8k / 16k (fp16 +0.5 to +0.7% at
+          4k / 8k but -0.4 / -0.7% at 16k, so bf16 only; session 39, two interleaved runs), short
           non-causal d128 +0.3-0.8 / +1.3 / +2.4-2.5% at 512 / 1k / 2k, long non-causal d64
           +1.5-2.4% at 4k / 8k in bf16 but -3.3 / -4.0 / -1.6% at 4k / 8k / 16k in fp16 (so bf16
           only there); it lost 1-3% at short d64, causal d128 and long non-causal d128.
@@ -508,7 +510,7 @@ class FlashAttnFwdSm90:
                 config["lazy_rescale"] = True
             if head_dim <= 64 and not causal:
                 config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16)
-            if head_dim > 192 and causal:
+            if head_dim > 192 and (causal or dtype is cutlass.BFloat16):
                 config.update(wg_epilogue=True, q_by_group=True)
             if three_groups_d96 and causal:
                 config["recompute_epilogue"] = True

@@ -91,7 +91,9 @@ VARIANTS = [
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="l2", dynamic_schedule=True,
                                       wg_epilogue=True, q_by_group=True, lazy_rescale=True)),
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, dynamic_schedule=True,
-                                        lazy_rescale=True)),
+                                        lazy_rescale=True, wg_epilogue=True, q_by_group=True)),
+    (cutlass.Float16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, dynamic_schedule=True,
+                                       lazy_rescale=True)),
     (cutlass.Float16, 192, True, dict(tile_m=128, tile_n=112, num_stages=2, lpt="l2", dynamic_schedule=True,
                                       lazy_rescale=True)),
     # d96 from 1025 keys on: three consumer warp groups of 64 x 96 (long causal: per-tile epilogue

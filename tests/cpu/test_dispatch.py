@@ -163,9 +163,12 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         short256 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 256, causal, length="short", num_sms=132).init_kwargs)
         assert short256.get("recompute_epilogue", False) == (not causal)
         long256 = dict(dispatch.plan_forward((9, 0), torch.bfloat16, 256, causal, length="long", num_sms=132).init_kwargs)
-        # Q by warp group wherever O goes out per group (short, mid, long causal d256).
+        long256_fp16 = dict(dispatch.plan_forward((9, 0), torch.float16, 256, causal, length="long",
+                                                  num_sms=132).init_kwargs)
+        # Q by warp group wherever O goes out per group (short, mid, long d256 but fp16 non-causal).
         assert short256["q_by_group"] and short256["wg_epilogue"]
         # Short d256 stores O from registers; Q goes back early only when non-causal.
         assert short256["o_from_registers"] and short256["release_q_early"] == (not causal)
         assert not long256.get("o_from_registers", False)
-        assert long256.get("q_by_group", False) == causal == long256.get("wg_epilogue", False)
+        assert long256["q_by_group"] and long256["wg_epilogue"]
+        assert long256_fp16.get("q_by_group", False) == causal == long256_fp16.get("wg_epilogue", False)
