@@ -164,15 +164,20 @@ def test_balanced_orders_let_each_method_follow_every_other_equally_often():
         assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
 
 
+class _BurstMarkingClock(harness.WallClock):
+    """Appends "|" to `calls` at each burst's hold, so the calls between two marks are one burst."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def hold(self, seconds):
+        self.calls.append("|")
+
+
 def test_three_methods_each_follow_each_other_in_as_many_rounds():
     calls = []
-
-    class RoundClock(harness.WallClock):
-        def hold(self, seconds):
-            calls.append("|")
-
     times = harness.measure_times_interleaved(
-        {name: (lambda i, name=name: calls.append(name)) for name in "abc"}, 1, RoundClock(),
+        {name: (lambda i, name=name: calls.append(name)) for name in "abc"}, 1, _BurstMarkingClock(calls),
         min_reps=12, max_reps=12, min_rounds=10, seed=7)
     assert len(times["a"]["round_medians"]) == 12  # 10 rounded up to two whole 6-order designs
     assert times["a"]["round_sm_mhz"] == [None] * 12  # the wall clock reads no SM clock
@@ -183,13 +188,8 @@ def test_three_methods_each_follow_each_other_in_as_many_rounds():
 
 def test_methods_with_different_call_counts_share_every_round():
     calls = []
-
-    class RoundClock(harness.WallClock):
-        def hold(self, seconds):
-            calls.append("|")
-
     times = harness.measure_times_interleaved(
-        {"a": lambda i: calls.append("a"), "b": lambda i: calls.append("b")}, 1, RoundClock(),
+        {"a": lambda i: calls.append("a"), "b": lambda i: calls.append("b")}, 1, _BurstMarkingClock(calls),
         min_reps=10, max_reps=10, min_rounds=4, seed=1)
     assert times["a"]["reps"] == times["b"]["reps"] == 10
     # Rounds of 2 or 3 calls per method (10 over 4 rounds), each method in every round.
