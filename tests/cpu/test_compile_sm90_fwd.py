@@ -37,7 +37,7 @@ VARIANTS = [
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=176, num_stages=2)),
     # The short-sequence causal d64 kernel (length_config), and O rescaled early at d192.
     (cutlass.BFloat16, 64, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
-                                      wg_epilogue=True, q_stages=2, planned_tail=True)),
+                                      wg_epilogue=True, q_stages=2, planned_tail=True, cache_hints=True)),
     (cutlass.Float16, 192, False, None),
     # Short non-causal (length_config): two Q stages, each warp group storing its own rows of O
     # by TMA; d128 with the DSL's sleeping pipeline waits and, up to 1024 keys, the global tile
@@ -48,9 +48,11 @@ VARIANTS = [
                                        q_stages=2, q_by_group=True, rescale_if_moved=True, spin_waits=False,
                                        dynamic_schedule=True)),
     # Short and mid causal d128 (two Q stages, per-warp-group O stores), mid causal d64 (192 rows).
-    # Short causal walks take their last rounds from the host's plan (planned_tail).
+    # Short causal walks take their last rounds from the host's plan (planned_tail) and put L2
+    # eviction priorities on their TMA copies (cache_hints, as short non-causal d256 does).
     (cutlass.BFloat16, 128, True, dict(tile_m=128, tile_n=128, num_stages=2, lpt="head", wg_epilogue=True,
-                                       wg_tma_store=True, q_stages=2, recompute_epilogue=True, planned_tail=True)),
+                                       wg_tma_store=True, q_stages=2, recompute_epilogue=True, planned_tail=True,
+                                       cache_hints=True)),
     (cutlass.BFloat16, 64, True, dict(tile_m=192, tile_n=128, num_stages=2, lpt="head", prefetch_next=True,
                                       wg_epilogue=True)),
     # Short d256 loads Q by warp group into its one Q buffer and stores O from registers
@@ -58,22 +60,24 @@ VARIANTS = [
     # 1024 keys on 64-column blocks, up to 2048 on 80.
     (cutlass.BFloat16, 256, True, dict(tile_m=128, tile_n=64, num_stages=2, lpt="head", wg_epilogue=True,
                                        q_by_group=True, o_from_registers=True, release_q_early=False,
-                                       planned_tail=True)),
+                                       planned_tail=True, cache_hints=True)),
     (cutlass.Float16, 256, True, dict(tile_m=128, tile_n=80, num_stages=2, lpt="head", wg_epilogue=True,
-                                      q_by_group=True, o_from_registers=True, release_q_early=False)),
+                                      q_by_group=True, o_from_registers=True, release_q_early=False,
+                                      cache_hints=True)),
     # Short non-causal d256 and short causal d128 derive the epilogue's coordinates per tile;
     # short_2k non-causal d256 walks its tiles statically.
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
                                         recompute_epilogue=True, q_by_group=True, o_from_registers=True)),
     (cutlass.Float16, 256, False, dict(tile_m=128, tile_n=80, num_stages=2, wg_epilogue=True,
                                        recompute_epilogue=True, q_by_group=True, o_from_registers=True,
-                                       dynamic_schedule=True)),
+                                       dynamic_schedule=True, cache_hints=True)),
     # 64-column blocks: short d192 (causal and not), and non-causal d256 up to 512 keys (short_512).
     (cutlass.BFloat16, 192, False, dict(tile_m=128, tile_n=64, num_stages=2, dynamic_schedule=True)),
-    (cutlass.Float16, 192, True, dict(tile_m=128, tile_n=64, num_stages=2, lpt="head", planned_tail=True)),
+    (cutlass.Float16, 192, True, dict(tile_m=128, tile_n=64, num_stages=2, lpt="head", planned_tail=True,
+                                      cache_hints=True)),
     (cutlass.BFloat16, 256, False, dict(tile_m=128, tile_n=64, num_stages=2, wg_epilogue=True,
                                         recompute_epilogue=True, q_by_group=True, o_from_registers=True,
-                                        dynamic_schedule=True)),
+                                        dynamic_schedule=True, cache_hints=True)),
     # Long non-causal d128 (length_config): three consumer warp groups of 64 x 80; tiles taken from
     # a global counter (dynamic_schedule), as for long causal d64/d128/d256 and mid causal.
     # Long and mid problems rescale lazily (lazy_rescale), but for non-causal d64; causal d128 from
@@ -123,6 +127,7 @@ VARIANTS = [
          + ("-wgtma" if t and t.get("wg_tma_store") else "")
          + ("-serial" if t and t.get("intra_wg_overlap") is False else "")
          + ("-lazy" if t and t.get("lazy_rescale") else "")
+         + ("-hints" if t and t.get("cache_hints") else "")
          for dt, d, c, t in VARIANTS],
 )
 def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, tiles, monkeypatch):
@@ -160,6 +165,11 @@ def test_sm90_fwd_compiles_to_tma_wgmma_without_spills(dtype, head_dim, causal, 
     assert ("st.global.v4.b32" in report.ptx) == (not by_tma)
     # Lazy rescaling: the rare rescale behind a warp vote (softmax.py: rescale_if_grown).
     assert ("vote.sync.any.pred" in report.ptx) == (kernel.lazy_rescale or kernel.rescale_if_moved)
+    # L2 eviction priorities on the TMA copies (cache_hints): the DSL passes every TMA copy a
+    # policy operand, 0 unless given one; ours are evict-first (Q, O) and evict-last (K, V).
+    policies = {int(v) for v in re.findall(r"mov\.b64\s+%rd\d+,\s*(\d+);", report.ptx)}
+    hints = {0x12F0000000000000, 0x14F0000000000000}
+    assert hints & policies == (hints if tiles.get("cache_hints") else set())
     # Programmatic dependent launch: the grid waits for the one before it ahead of any memory access.
     assert ("griddepcontrol.wait" in report.ptx) == kernel.dependent_launch
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"

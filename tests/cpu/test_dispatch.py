@@ -77,9 +77,11 @@ def test_length_buckets_reach_the_sm90_launch_settings():
         if head_dim == 128:  # short problems keep the DSL's sleeping waits, mid ones spin
             expected["spin_waits"] = True
             assert short_full["spin_waits"] is False and short_2k_full["spin_waits"] is True
-        # Up to 1024 keys d128 to d256 take their tiles from the counter; short_2k walks statically.
+        # Up to 1024 keys d128 to d256 take their tiles from the counter (and d256 puts L2 hints on
+        # its TMA copies); short_2k walks statically.
         assert short_full.get("dynamic_schedule", False) == (head_dim > 96)
         expected.pop("dynamic_schedule", None)
+        expected.pop("cache_hints", None)
         assert short_2k_full == expected and short_full.get("rescale_o_early", True)
     assert (long_full["tile_m"], long_full["tile_n"], long_full["num_sms"]) == (192, 80, 132)
     assert long_full["dynamic_schedule"]
@@ -137,6 +139,16 @@ def test_length_buckets_reach_the_sm90_launch_settings():
                                                   num_sms=132).init_kwargs)
                 expected = length.startswith("short") and (head_dim == 128 or (head_dim == 64 and not causal))
                 assert FlashAttnFwdSm90(**plan).wg_tma_store == expected, (head_dim, causal, length)
+    # L2 eviction priorities on the TMA copies: short causal problems but d96, and short non-causal
+    # d256 up to 1024 keys.
+    for head_dim in (64, 96, 128, 192, 256):
+        for causal in (False, True):
+            for length in dispatch.length_classes(causal):
+                plan = dict(dispatch.plan_forward((9, 0), torch.bfloat16, head_dim, causal, length=length,
+                                                  num_sms=132).init_kwargs)
+                up_to_2k = length.startswith("short")
+                expected = up_to_2k and (head_dim != 96 if causal else head_dim == 256 and length != "short_2k")
+                assert FlashAttnFwdSm90(**plan).cache_hints == expected, (head_dim, causal, length)
     # Causal d96 on 192 x 96 tiles from 1025 keys on; causal d256 on 64-column blocks up to 1024 keys.
     for length, d96_tiles, d256_tile_n in (("short", (128, 128), 64), ("short_2k", (192, 96), 80), ("mid", (192, 96), 80)):
         d96, d256 = (dict(dispatch.plan_forward((9, 0), torch.float16, d, True, length=length, num_sms=132).init_kwargs)
