@@ -108,7 +108,7 @@ def peak_of_one_call(m, pass_: str, sets: list[tuple], cell: Cell, scale: float)
 
 
 def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: float, clock, n_sets: int,
-                 flush: bool, target_s: float, seed: int) -> dict[str, dict]:
+                 flush: bool, target_s: float, seed: int, min_rounds: int = 10) -> dict[str, dict]:
     """Each method's timing row (or failure status) for one pass; the methods take turns on the
     GPU in carryover-balanced orders, so each follows every other equally often."""
     runs, measured = {}, {}
@@ -118,7 +118,8 @@ def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: floa
         except Exception as exc:  # noqa: BLE001 - every failure is a result to record
             measured[m.name] = {"status": harness.classify_error(exc)}
             harness.release_memory()
-    times = harness.measure_times_interleaved(runs, n_sets, clock, flush_l2=flush, target_s=target_s, seed=seed)
+    times = harness.measure_times_interleaved(runs, n_sets, clock, flush_l2=flush, target_s=target_s, seed=seed,
+                                              min_rounds=min_rounds)
     for name, stats in times.items():
         if isinstance(stats, Exception):
             measured[name] = {"status": harness.classify_error(stats)}
@@ -137,12 +138,13 @@ def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: floa
     if len(methods) > 1:  # the others' saved graphs may have been what ran out: try alone
         for m in methods:
             if measured[m.name]["status"] == "oom":
-                measured.update(time_methods(cell, pass_, [m], sets, scale, clock, n_sets, flush, target_s, seed))
+                measured.update(time_methods(cell, pass_, [m], sets, scale, clock, n_sets, flush, target_s, seed,
+                                             min_rounds))
     return measured
 
 
 def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_bytes: int,
-                 progress: Progress, target_s: float, device: str = DEVICE) -> list[dict]:
+                 progress: Progress, target_s: float, device: str = DEVICE, min_rounds: int = 10) -> list[dict]:
     dtype = DTYPES[dtype_name]
     scale = cell.headdim ** -0.5
     grad = any(p != "fwd" for p in cell.passes)
@@ -168,7 +170,8 @@ def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_byt
                         for m in methods}
         else:
             seed = zlib.crc32(f"{suite} {pass_} {cell.label()}".encode())
-            measured = time_methods(cell, pass_, methods, sets, scale, clock, n_sets, flush, target_s, seed)
+            measured = time_methods(cell, pass_, methods, sets, scale, clock, n_sets, flush, target_s, seed,
+                                    min_rounds)
         for m in methods:
             row = {**base, "pass": pass_, "method": m.name, **measured[m.name]}
             row["status"] = no_autograd_means_unsupported(row["status"], pass_)
@@ -297,6 +300,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--methods", default=None,
                    help=f"comma-separated subset of: {', '.join(METHOD_NAMES)} (default: all)")
     p.add_argument("--target-s", type=float, default=0.5, help="seconds of timed calls per measurement (default: 0.5)")
+    p.add_argument("--min-rounds", type=int, default=10,
+                   help="turns each method takes per cell, at least (rounded up to whole balanced designs: "
+                        "12 for three methods at the default 10); more rounds narrow a cell's spread where "
+                        "the GPU's clock wanders from round to round (default: 10)")
     p.add_argument("--no-roofline", action="store_true", help="skip the GEMM-peak and copy-bandwidth measurement")
     p.add_argument("--headdims", type=_ints, default=None, help="only these head dims, e.g. 64,128")
     p.add_argument("--seqlens", type=_ints, default=None, help="only these seqlens, e.g. 512,1024")
@@ -372,9 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         "methods": {m.name: m.info() for m in methods},
         "suite_notes": notes,
         "filters": {k: getattr(args, k) for k in ("headdims", "seqlens", "passes", "causal") if getattr(args, k)},
-        "timing": {"target_s": args.target_s, "clock": "cuda events per call, GPU held busy ahead of the host",
+        "timing": {"target_s": args.target_s, "min_rounds": args.min_rounds,
+                   "clock": "cuda events per call, GPU held busy ahead of the host",
                    "statistic": "median, p10/p90, IQR over reps; first call excluded",
-                   "order": "a cell's methods take turns over >= 10 rounds in carryover-balanced orders "
+                   "order": f"a cell's methods take turns over >= {args.min_rounds} rounds in carryover-balanced orders "
                             "(each method follows every other equally often); SM clock read mid-burst"},
     }
 
@@ -407,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in runnable:
         for cell in s.cells:
             rows += measure_cell(cell, s.name, args.dtype or s.dtype, usable, clock, gpu["l2_bytes"],
-                                 progress, args.target_s, DEVICE)
+                                 progress, args.target_s, DEVICE, args.min_rounds)
             save(False)
     progress.close()
     save(True)

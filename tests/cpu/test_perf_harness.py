@@ -314,6 +314,17 @@ def test_measure_cell_end_to_end_on_cpu():
     assert next(r for r in ratios if r["pass"] == "fwd" and r["peer"] == "oomer")["note"] == "peer: oom"
 
 
+def test_min_rounds_reaches_the_interleaved_timing():
+    cell = Cell(1, 32, 32, 1, 1, 16, False, ("fwd",))
+    methods = _fake_methods()[:2]  # two methods: designs of two orders
+    for argv, rounds in (([], 10), (["--min-rounds", "13"], 14)):
+        args = bench.parse_args(["--suite", "paper", *argv])
+        rows = bench.measure_cell(cell, "unit", "bf16", methods, harness.WallClock(), 50 * 2**20,
+                                  bench.Progress(2, stream=io.StringIO()), target_s=0.0, device="cpu",
+                                  min_rounds=args.min_rounds)
+        assert [len(r["time_ms"]["round_medians"]) for r in rows] == [rounds, rounds]
+
+
 def test_standard_attention_matches_sdpa_on_cpu():
     torch.manual_seed(0)
     q = torch.randn(2, 33, 4, 16, dtype=torch.float64)
