@@ -506,7 +506,7 @@ class FlashAttnFwdSm90:
           GEMM (release_q_early); within +-0.6% at mid and long d256, which keep the smem path.
         * cache_hints (see __init__; session 40, runs 1-4, interleaved, bf16 / fp16): short causal
           d256 +3.5-3.9 / +3.7% at 512, +1.8 / +2.2% at 1k, +1.0-1.2% at 2k (bf16); d128 +0.9-1.3 /
-          +1.3% at 512, +0.2% at 1k, 0 to +0.1% at 2k; d64 +0.6-1.1 / +0.8% at 512, +0.4% at 1k;
+          +1.3% at 512, +0.2% at 1k, 0 to +0.2% at 2k; d64 +0.6-1.1 / +0.7-0.9% at 512, +0.4% at 1k;
           d192 +1.4-1.5 / +0.5% at 512; short non-causal d256 +1.8-1.9 / +1.8% at 512, +0.7% at 1k
           (fp16). Off for causal d96 (-0.9 to -1.3% at 512, -0.6% at 1k), short non-causal d128
           (-0.4 to -0.9% at 512, -0.2% at 2k) and d64 (+-0.1%), and for mid and long problems
