@@ -510,7 +510,8 @@ class FlashAttnFwdSm90:
           d192 +1.4-1.5 / +0.5% at 512; short non-causal d256 +1.8-1.9 / +1.8% at 512, +0.7% at 1k
           (fp16). Off for causal d96 (-0.9 to -1.3% at 512, -0.6% at 1k), short non-causal d128
           (-0.4 to -0.9% at 512, -0.2% at 2k) and d64 (+-0.1%), and for mid and long problems
-          (causal d64-d256 4k-16k -0.4 to +1.1%, non-causal d256 16k -0.2 / -0.7%).
+          (causal d64-d256 4k-16k -0.4 to +1.1%, non-causal d256 16k -0.2 / -0.7%, d128 4k-16k -2.5 to
+          +0.6% and d64 8k -1.6 to +1.5% in three repeats, run 7).
         """
         # short_512 and short_2k take the short settings, but for d256's non-causal blocks
         # (short_512), d96's tiles, d128's O rescale and d256's causal blocks (short_2k).
