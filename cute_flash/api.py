@@ -8,9 +8,10 @@ import contextlib
 
 import torch
 
+from . import device as devices
 from . import dispatch
-from .backward_sm80 import backward_sm80
 from .errors import MissingTensorError
+from .launchers import backward_launcher, forward_launcher
 from .tensors import VECTOR_BYTES
 from .validate import check_device, check_like, check_qkv, check_softmax_scale, lse_shape
 
@@ -91,19 +92,30 @@ def _on(device: torch.device):
     return contextlib.nullcontext() if device.index == torch.cuda.current_device() else torch.cuda.device(device)
 
 
+# Launchers per (device, problem class, kernel family): a plan builds fake tensors and hashes its
+# key, which the per-call path should not pay for.
 _forward_kernels: dict[tuple, object] = {}
-"""Forward launcher per (device, dtype, head dim, causal, length class, family): a plan builds fake
-tensors and hashes its key, which the per-call path should not pay for."""
+_backward_kernels: dict[tuple, object] = {}
 
 
-def _forward_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, causal: bool, length: str):
-    capability = dispatch.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, length, dispatch.kernel_family(capability))
-    launch = _forward_kernels.get(key)
+def _launcher(memo: dict, plan_of, device: torch.device, *problem):
+    """The launcher for `problem` on `device`: plan_of(capability, *problem) -> plan, planned,
+    compiled (or loaded) and wrapped once per process."""
+    capability = devices.capability(device.index)
+    key = (device.index, *problem, devices.kernel_family(capability))
+    launch = memo.get(key)
     if launch is None:
-        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, dispatch.sm_count(device.index))
-        launch = _forward_kernels[key] = dispatch.forward_launcher(plan)
+        launch = memo[key] = plan_of(capability, *problem)
     return launch
+
+
+def _plan_forward(capability, dtype, head_dim, causal, length):
+    plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, devices.sm_count(torch.cuda.current_device()))
+    return forward_launcher(plan)
+
+
+def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa):
+    return backward_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa))
 
 
 def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
@@ -125,7 +137,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
         length = dispatch.length_class(problem.seqlen_k, bool(causal))
-        launch = _forward_kernel(device, q.dtype, problem.head_dim, bool(causal), length)
+        launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, bool(causal), length)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         launch(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
@@ -151,12 +163,12 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
             tensors[name] = grad
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
-    dispatch.cutlass_dtype(q.dtype)
+    dispatch.cutlass_dtype(q.dtype)  # a typed error for dtypes no kernel computes, before any allocation
     with _on(device):
         grads = [output_buffer(grad, _like(like)) for grad, like in ((dq, q), (dk, k), (dv, v))]
-        backward_sm80(
-            kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
-            kernel_input(lse, STAT_ALIGN), *grads,
-            softmax_scale=scale, causal=bool(causal), deterministic=bool(deterministic),
-        )
+        gqa = problem.nheads != problem.nheads_kv
+        launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, bool(causal),
+                           bool(deterministic), gqa)
+        launch(kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
+               kernel_input(lse, STAT_ALIGN), *grads, scale)
         return tuple(deliver(given, written) for given, written in zip((dq, dk, dv), grads))

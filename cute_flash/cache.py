@@ -152,16 +152,12 @@ def _store_entry(folder: Path, name: str, key: tuple, compiled, seconds: float) 
     _atomic_write(folder / f"{name}.json", json.dumps(meta, indent=1).encode())
 
 
-def get_or_compile(key: tuple, build: Build, arch: str | None = None):
+def get_or_compile(key: tuple, build: Build, arch: str):
     """The compiled kernel for `key`, compiling it at most once per machine.
 
-    `arch` is the compile target ('sm_80', 'sm_90a', ...); by default the current GPU's. It is
-    part of the cache key, so callers leave it out of `key`.
+    `arch` is the compile target ('sm_80', 'sm_90a', ...). It is part of the cache key, so callers
+    leave it out of `key`.
     """
-    if arch is None:
-        from .dispatch import target_arch
-
-        arch = target_arch()
     key = (arch,) + tuple(key)
     compiled = _memory.get(key)
     if compiled is not None:

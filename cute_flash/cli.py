@@ -19,42 +19,38 @@ def _parse_list(text: str, kind=str):
     return [kind(x) for x in text.split(",") if x]
 
 
-def _capability(arch: str) -> tuple[int, int]:
-    digits = arch.removeprefix("sm_").rstrip("a")
-    return int(digits[:-1]), int(digits[-1])
-
-
 def forward_variants(dtypes, head_dims, causals):
     """(dtype name, head dim, causal) of every forward variant selected."""
     return [(dtype, head_dim, causal) for dtype in dtypes for head_dim in head_dims for causal in causals]
 
 
 def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: bool, gqa: bool = False):
-    """(label, cache key, build, key instructions) of every kernel one variant runs on `arch`:
-    the forward kernel the dispatcher picks, or the backward's main, preprocess and postprocess
-    kernels. Runs in worker processes, which rebuild everything from these plain values."""
+    """(label, cache key, build, key instructions) of every kernel one variant runs on `arch`, as
+    dispatch plans it: the forward kernel of each length class, or the backward's preprocess, main
+    and postprocess kernels. Runs in worker processes, which rebuild everything from these plain
+    values."""
     import torch
 
     from . import dispatch
+    from .device import capability_of
 
+    capability, torch_dtype = capability_of(arch), getattr(torch, dtype)
     if pass_name == "fwd":
         builds = {}
         # A kernel may launch differently per length class; the first class that launches a
         # kernel names it: long (unlabelled), then the others in dispatch's order.
         for length in sorted(dispatch.length_classes(causal), key=lambda name: name != "long"):
-            plan = dispatch.plan_forward(_capability(arch), getattr(torch, dtype), head_dim, causal, length)
-            family = "sm90" if ".sm90." in plan.kernel_cls.__module__ else "sm80"
-            label = f"fwd/{family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'' if length == 'long' else '/' + length}"
-            builds.setdefault(plan.key, (label, plan.key, plan.build, KEY_INSTRUCTIONS[family]))
+            plan = dispatch.plan_forward(capability, torch_dtype, head_dim, causal, length)
+            label = (f"fwd/{plan.family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}"
+                     f"{'' if length == 'long' else '/' + length}")
+            builds.setdefault(plan.key, (label, plan.key, plan.build, KEY_INSTRUCTIONS[plan.family]))
         return list(builds.values())
-    from .backward_sm80 import backward_builds
-
+    backward = dispatch.plan_backward(capability, torch_dtype, head_dim, causal, gqa=gqa)
     builds = []
-    for key, build in backward_builds(dispatch.CUTLASS_DTYPES[getattr(torch, dtype)], head_dim, causal, False, gqa, arch):
-        kind = key[1].removeprefix("bwd_")
+    for kind, plan in (("pre", backward.pre), ("main", backward.main), ("post", backward.post)):
         variant = f"/{'causal' if causal else 'full'}{'/gqa' if gqa else ''}" if kind == "main" else ""
-        builds.append((f"bwd/{kind}/sm80/{dtype}/d{head_dim}{variant}", key, build,
-                       KEY_INSTRUCTIONS["sm80"] if kind == "main" else ()))
+        builds.append((f"bwd/{kind}/{plan.family}/{dtype}/d{head_dim}{variant}", plan.key, plan.build,
+                       KEY_INSTRUCTIONS[plan.family] if kind == "main" else ()))
     return builds
 
 
@@ -123,12 +119,12 @@ def _warm_one(arch: str, variant, pass_name: str):
 
 def cmd_warmup(args) -> int:
     """Fill the disk cache for the chosen variants, several compiles at once."""
-    from . import cache, dispatch
+    from . import cache, device
 
     if args.arch is None:
         import torch
 
-        args.arch = dispatch.target_arch_for(torch.cuda.get_device_capability())
+        args.arch = device.target_arch_for(torch.cuda.get_device_capability())
     if not cache.disk_enabled():
         print("the disk cache is off (CUTE_FLASH_CACHE=0): nothing to warm", file=sys.stderr)
         return 1
@@ -156,7 +152,7 @@ def cmd_info(args) -> int:
 
     print(f"cute-flash {__version__}, nvidia-cutlass-dsl {cutlass.__version__}, torch {torch.__version__}")
     if torch.cuda.is_available():
-        from .dispatch import kernel_family, target_arch
+        from .device import kernel_family, target_arch
 
         cap = torch.cuda.get_device_capability()
         print(f"GPU: {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]}), compile target {target_arch()}, kernel family {kernel_family(cap)}")

@@ -1,62 +1,32 @@
-"""Which kernel serves a call: architecture → kernel class → tiles → compile key.
+"""Which kernels serve a call: device → kernel family → kernel class and configuration → plan.
 
-The sm80 kernels serve sm_80/86/89 and every newer GPU without a specialized kernel; on sm_90 the
-Hopper kernel takes the cases it can implement. `CUTE_FLASH_KERNEL_ARCH=sm80` forces the sm80
-family on any GPU (to test or benchmark that path on a Hopper card).
+Every pass is planned here the same way: `plan_forward` and `plan_backward` are pure functions of
+(compute capability, dtype, head dim, causal, length class or backward flags) that return plans;
+a plan's `key` is the compile cache's key (the kernel class and its configuration, never sizes
+or the scale), `build()` makes the kernel object and its compile-time arguments, and
+`cute_flash/launchers.py` turns compiled plans into per-call launches. The sm80 kernels serve
+sm_80/86/89 and every newer GPU without a specialized kernel; on sm_90 the Hopper forward takes the
+problems its configuration covers. `CUTE_FLASH_KERNEL_ARCH=sm80` forces the sm80 family
+(device.kernel_family).
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import cutlass
 import torch
 
 from . import cache
+from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError
-from .tensors import fake_bshd, fake_rowstat, fake_stream, fake_tail_split_workspace
+from .tensors import (
+    fake_bshd, fake_dq_accum, fake_rowstat, fake_semaphore, fake_stream, fake_tail_split_workspace,
+)
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
-_TARGETS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a", (12, 0): "sm_120a", (12, 1): "sm_121a"}
-
-
-def target_arch_for(capability: tuple[int, int]) -> str:
-    """The DSL compile target for a compute capability ('a' variants where the DSL needs them)."""
-    return _TARGETS.get(tuple(capability), f"sm_{capability[0]}{capability[1]}")
-
-
-@lru_cache(maxsize=None)
-def capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-def target_arch(device_index: int | None = None) -> str:
-    """The compile target of a GPU (default: the current one)."""
-    return target_arch_for(capability(torch.cuda.current_device() if device_index is None else device_index))
-
-
-# Without a GPU (compile checks, CI) persistent kernels are sized for an H100 SXM.
-DEFAULT_SM_COUNT = 132
-
-
-@lru_cache(maxsize=None)
-def sm_count(device_index: int | None = None) -> int:
-    """Streaming multiprocessors of a GPU (default: the current one), or DEFAULT_SM_COUNT
-    where there is no GPU."""
-    if not torch.cuda.is_available():
-        return DEFAULT_SM_COUNT
-    index = torch.cuda.current_device() if device_index is None else device_index
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def kernel_family(capability: tuple[int, int]) -> str:
-    forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
-    if forced:
-        return forced
-    return "sm90" if capability[0] == 9 else "sm80"
 
 
 def cutlass_dtype(dtype: torch.dtype):
@@ -71,44 +41,47 @@ def cutlass_dtype(dtype: torch.dtype):
 
 @dataclass(frozen=True)
 class Plan:
-    """A compiled-kernel recipe: the class, its compile-time configuration and the fake arguments."""
+    """One kernel to compile: its class, its compile-time configuration (a frozen configuration
+    object, or for the sm80 kernels their sorted keyword arguments) and its fake arguments."""
 
     kernel_cls: type
-    init_kwargs: tuple[tuple[str, Any], ...]
+    config: Any
     fake_args: tuple
     arch: str
+    # What else the compiled code depends on, beyond the configuration (an argument's dtype).
+    signature: tuple = ()
 
     @property
     def key(self) -> tuple:
-        return (self.kernel_cls.__module__, self.kernel_cls.__qualname__) + self.init_kwargs
+        return (self.kernel_cls.__module__, self.kernel_cls.__qualname__, self.config) + self.signature
+
+    @property
+    def family(self) -> str:
+        return self.kernel_cls.__module__.split(".")[-2]  # cute_flash.kernels.<family>.<pass>
+
+    def settings(self) -> dict:
+        """The configuration as a dict of its fields."""
+        if dataclasses.is_dataclass(self.config):
+            return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        return dict(self.config)
 
     def build(self):
-        return self.kernel_cls(**dict(self.init_kwargs)), self.fake_args
+        kernel = (self.kernel_cls(self.config) if dataclasses.is_dataclass(self.config)
+                  else self.kernel_cls(**dict(self.config)))
+        return kernel, self.fake_args
 
     def compiled(self):
         return cache.get_or_compile(self.key, self.build, self.arch)
 
 
-def _forward_classes(family: str):
-    if family == "sm90":
-        from .kernels.sm90.fwd import FlashAttnFwdSm90
-        from .kernels.sm80.fwd import FlashAttnFwdSm80
-
-        return (FlashAttnFwdSm90, FlashAttnFwdSm80)
-    from .kernels.sm80.fwd import FlashAttnFwdSm80
-
-    return (FlashAttnFwdSm80,)
+def _sorted_kwargs(**kwargs) -> tuple:
+    return tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
 
 
-# Length classes, the only way lengths reach a compile key: kernels may pick other launch settings
-# per class (FlashAttnFwdSm90.length_config). Problems with at most SHORT_512_SEQLEN_K keys are
-# "short_512", which keep the short settings but for d256's non-causal blocks (a class where most
-# head dims compile the same kernel as "short", so LENGTH_CLASSES lists it after "short", the first
-# class that names a kernel); problems with at most SHORT_SEQLEN_K keys are "short";
-# "short_2k" are those up to SHORT_2K_SEQLEN_K keys, which keep the short settings but for a few a
-# kernel changes there (d96's tiles, d128's non-causal O rescale, d256's causal blocks: perf/NOTES.md);
-# "mid" are causal ones up to MID_SEQLEN_K_CAUSAL keys, where the persistent causal kernel still gains
-# 2-9% but wants other tiles and its dynamic schedule; the rest are "long".
+# Length classes, the only way lengths reach a compile key: the Hopper forward picks other launch
+# settings per class (kernels/sm90/config.py). "short_512": at most SHORT_512_SEQLEN_K keys;
+# "short": at most SHORT_SEQLEN_K; "short_2k": at most SHORT_2K_SEQLEN_K; "mid": causal, at most
+# MID_SEQLEN_K_CAUSAL; the rest "long". Classes that resolve to the same settings share a kernel.
 SHORT_512_SEQLEN_K = 512
 SHORT_SEQLEN_K = 1024
 SHORT_2K_SEQLEN_K = 2048
@@ -125,6 +98,7 @@ def length_class(seqlen_k: int, causal: bool) -> str:
     return "mid" if causal and seqlen_k <= MID_SEQLEN_K_CAUSAL else "long"
 
 
+# "short" before "short_512": most head dims compile the same kernel for both, named by the first.
 LENGTH_CLASSES = ("short", "short_512", "short_2k", "mid", "long")
 
 
@@ -133,38 +107,82 @@ def length_classes(causal: bool) -> tuple[str, ...]:
     return LENGTH_CLASSES if causal else tuple(name for name in LENGTH_CLASSES if name != "mid")
 
 
-def fake_forward_args(cls, cdtype, head_dim: int) -> tuple:
-    """The compile-time arguments of forward kernel class `cls` (its `__call__` signature)."""
+def fake_forward_args(cdtype, head_dim: int, takes_split_workspace: bool) -> tuple:
+    """The compile-time arguments of a forward kernel's `__call__`."""
     qkvo_lse = tuple(fake_bshd(cdtype, head_dim) for _ in range(4)) + (fake_rowstat(),)
-    if getattr(cls, "takes_split_workspace", False):  # + the tail split's workspace and plan
+    if takes_split_workspace:  # + the tail split's workspace and plan
         return qkvo_lse + fake_tail_split_workspace(head_dim) + (
             cutlass.Float32(1.0), cutlass.Int32(0), cutlass.Int32(1), fake_stream())
     return qkvo_lse + (cutlass.Float32(1.0), fake_stream())
 
 
-def forward_launcher(plan: Plan):
-    """`launch(q, k, v, out, lse, softmax_scale)` for a forward plan: compiles (or loads) its kernel
-    and adds the per-call arguments that kernel takes beyond these."""
-    compiled = plan.compiled()
-    if getattr(plan.kernel_cls, "takes_split_workspace", False):
-        from .forward_sm90 import launcher
-
-        return launcher(compiled, dict(plan.init_kwargs))
-    return compiled
-
-
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                  length: str = "long", num_sms: int | None = None) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `length`
-    (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's, see
-    sm_count)."""
+    (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's)."""
     cdtype = cutlass_dtype(dtype)
-    for cls in _forward_classes(kernel_family(capability)):
-        tiles = cls.default_tiles(cdtype, head_dim, causal)
-        if hasattr(cls, "length_config"):
-            tiles.update(cls.length_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms))
-        if cls.can_implement(cdtype, head_dim, causal, **tiles):
-            kwargs = dict(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles)
-            return Plan(cls, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])), fake_forward_args(cls, cdtype, head_dim),
-                        target_arch_for(capability))
-    raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
+    arch = target_arch_for(capability)
+    if kernel_family(capability) == "sm90":
+        from .kernels.sm90.config import forward_config
+        from .kernels.sm90.fwd import FlashAttnFwdSm90
+
+        config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms)
+        if config is not None:
+            return Plan(FlashAttnFwdSm90, config, fake_forward_args(cdtype, head_dim, True), arch)
+    from .kernels.sm80.fwd import FlashAttnFwdSm80
+
+    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal)
+    if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles):
+        raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
+    return Plan(FlashAttnFwdSm80, _sorted_kwargs(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles),
+                fake_forward_args(cdtype, head_dim, False), arch)
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The three kernels of one backward: D = rowsum(dO * O) and LSE in log2 (preprocess), dK, dV
+    and dQ's fp32 partial sums (main), dQ in the input dtype (postprocess)."""
+
+    pre: Plan
+    main: Plan
+    post: Plan
+    gqa: bool
+    deterministic: bool
+
+    @property
+    def m_block_size(self) -> int:
+        return self.main.settings()["m_block_size"]
+
+
+def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
+                  deterministic: bool = False, gqa: bool = False) -> BackwardPlan:
+    """The backward kernels for this GPU: the sm80 family's on every GPU (compiled for the GPU's
+    own target, whose register allocation the tiles depend on). With GQA the main kernel writes
+    per-query-head fp32 dK / dV that the launcher sums per group."""
+    from .kernels.sm80.bwd import FlashAttnBwdSm80
+    from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
+    from .kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
+
+    cdtype = cutlass_dtype(dtype)
+    arch = target_arch_for(capability)
+    tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa)
+    dkv_dtype = cutlass.Float32 if gqa else cdtype
+    main_args = (
+        fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
+        fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(), fake_dq_accum(),
+        fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
+        cutlass.Float32(1.0), fake_stream(),
+    )
+    pre_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(),
+                fake_rowstat(), fake_stream())
+    post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
+    return BackwardPlan(
+        pre=Plan(FlashAttnBwdPreprocessSm80, _sorted_kwargs(dtype=cdtype, head_dim=head_dim), pre_args, arch),
+        main=Plan(FlashAttnBwdSm80, _sorted_kwargs(dtype=cdtype, head_dim=head_dim, causal=causal,
+                                                   deterministic=deterministic, **tiles), main_args, arch,
+                  signature=(("dkv_dtype", dkv_dtype),)),
+        post=Plan(FlashAttnBwdPostprocessSm80,
+                  _sorted_kwargs(dtype=cdtype, head_dim=head_dim, m_block_size=tiles["m_block_size"],
+                                 atom_m_dq=tiles["atom_m_dq"], dq_chunks=tiles["dq_chunks"]), post_args, arch),
+        gqa=gqa, deterministic=deterministic,
+    )

@@ -55,3 +55,16 @@ def fake_stream():
     """The stream parameter. Compiled functions take it from the caller's framework (the current
     torch stream) through TVM-FFI, so it is not passed at call time."""
     return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def fake_semaphore() -> cute.Tensor:
+    """(batch, nheads, num_m_blocks) int32 counters for the sm80 backward's deterministic dQ order."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    return make_fake_tensor(cutlass.Int32, shape, (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+
+
+def fake_dq_accum() -> cute.Tensor:
+    """(batch, nheads, query blocks * block elements) float32 dQ workspace (kernels/sm80/bwd.py)."""
+    shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
+    stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1)
+    return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import torch
 
+from .device import capability as device_capability
 from .errors import (
     CudaError,
     DimensionMismatchError,
@@ -74,8 +75,6 @@ def check_device(tensors: dict[str, torch.Tensor]) -> torch.device:
         raise CudaError(f"tensors are on different devices: {listing}")
     if device.type != "cuda":
         raise CudaError(f"tensors must be on a CUDA GPU, got device '{device}'")
-    from .dispatch import capability as device_capability
-
     capability = device_capability(device.index if device.index is not None else torch.cuda.current_device())
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name(device)

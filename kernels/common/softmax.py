@@ -35,7 +35,7 @@ wgmma), where the 4 threads of a quad share each row.
         2^LAZY_RESCALE_LOG2, which 16-bit P, the f32 row sums and the f32 O hold within the same
         relative rounding bound as values up to 1, and the normalization at the end is unchanged.
         The rounding of P falls differently when the max is not exactly 1: measured max errors
-        0.1-0.5 of torch's own against 0.05-0.4 eager (perf/NOTES.md, session 26).
+        0.1-0.5 of torch's own against 0.05-0.4 eager (perf/NOTES.md, 2026-11-24).
 
     outgrown = softmax.exponentiate_stale(acc_S, block_sum)
     softmax.settle_stale(outgrown, acc_S, acc_O, block_sum, rescore)

@@ -136,11 +136,11 @@ class FlashAttnBwdSm80:
         # The fp32 P kept across the dP GEMM fits the registers except, compiled for sm_80, at
         # d = 128 and 256, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
         # dtype).
-        # Measured on the H100 against P read back from smem (session 29, interleaved): d32
+        # Measured on the H100 against P read back from smem (2026-11-24, interleaved): d32
         # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
         # For sm_90a, d = 128 and 256 keep the fp32 P without spills too: fp16 as they are, bf16
         # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on the
-        # H100 against the read-back (session 30, interleaved, through autograd, 1k-16k): d128
+        # H100 against the read-back (2026-11-24, interleaved, through autograd, 1k-16k): d128
         # bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose 1.3-2.5%),
         # fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to +1.1%, fp16 +0.1
         # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
@@ -153,7 +153,7 @@ class FlashAttnBwdSm80:
             # The H100's 227 KB hold a second Q buffer (FA2's choice there), which the registers
             # allow once dQ is computed 64 columns at a time over four warps' rows; grouped-query
             # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured against one
-            # Q buffer (session 31, interleaved, through autograd): non-causal bf16 +7.6 to +8.9%,
+            # Q buffer (2026-11-24, interleaved, through autograd): non-causal bf16 +7.6 to +8.9%,
             # fp16 +8.6 to +9.2%, causal +1.2 to +5.4%; 2-3% more than two Q buffers with spills.
             tiles.update(dq_chunks=4, atom_m_dq=4, p_in_registers=not gqa)
         # At (64, 128), and at d = 256 on the H100, a second dO buffer costs the registers that

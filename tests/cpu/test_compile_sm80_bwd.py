@@ -7,19 +7,22 @@ import pytest
 
 import cutlass
 
-from cute_flash.backward_sm80 import (
-    main_kernel_fake_args,
-    main_kernel_key,
-    post_kernel_fake_args,
-    pre_kernel_fake_args,
-)
+import torch
+
+from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
+from cute_flash.device import capability_of
 from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, smem_capacity
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
 from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 
 ARCH = "sm_80"
 BF16, FP16 = cutlass.BFloat16, cutlass.Float16
+TORCH_DTYPES = {BF16: torch.bfloat16, FP16: torch.float16}
+
+
+def backward_plan(dtype, head_dim, causal, deterministic=False, gqa=False, arch=ARCH):
+    return dispatch.plan_backward(capability_of(arch), TORCH_DTYPES[dtype], head_dim, causal, deterministic, gqa)
 
 # (dtype, head_dim, causal, deterministic, gqa): every tile family, both dtypes, an odd multiple
 # of 8 (40, padded to 64), deterministic dQ ordering and the fp32 dK/dV output used for GQA.
@@ -61,11 +64,11 @@ MAIN_TARGETS = (
 @pytest.mark.parametrize("variant,arch", MAIN_TARGETS, ids=[f"{_id(v)}-{a}" for v, a in MAIN_TARGETS])
 def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
     dtype, head_dim, causal, deterministic, gqa = variant
-    tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch, gqa)
+    plan = backward_plan(dtype, head_dim, causal, deterministic, gqa, arch).main
+    tiles = {k: v for k, v in plan.settings().items() if k not in ("dtype", "head_dim", "causal", "deterministic")}
     assert FlashAttnBwdSm80.can_implement(dtype, head_dim, causal, arch, **tiles)
-    kernel = FlashAttnBwdSm80(dtype, head_dim, causal, deterministic, **tiles)
     with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
-        report = compile_report(kernel, main_kernel_fake_args(dtype, head_dim, gqa), arch=arch)
+        report = compile_report(*plan.build(), arch=arch)
     ptx = report.ptx
     assert "mma.sync.aligned.m16n8k16" in ptx
     assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx
@@ -81,11 +84,10 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
                                                  (FP16, 256, "sm_90a")])
 def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, capsys):
     with capsys.disabled():
-        pre = compile_report(FlashAttnBwdPreprocessSm80(dtype, head_dim), pre_kernel_fake_args(dtype, head_dim), arch=arch)
-        tiles = FlashAttnBwdSm80.default_tiles(dtype, head_dim, False, arch)
-        post_kernel = FlashAttnBwdPostprocessSm80(dtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"],
-                                                  tiles["dq_chunks"])
-        post = compile_report(post_kernel, post_kernel_fake_args(dtype, head_dim), arch=arch)
+        plan = backward_plan(dtype, head_dim, False, arch=arch)
+        assert plan.pre.kernel_cls is FlashAttnBwdPreprocessSm80 and plan.post.kernel_cls is FlashAttnBwdPostprocessSm80
+        pre = compile_report(*plan.pre.build(), arch=arch)
+        post = compile_report(*plan.post.build(), arch=arch)
     assert pre.spill_bytes == 0 and post.spill_bytes == 0
     assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
     assert "ld.global.b32" in post.ptx  # the workspace is read back one float per thread, coalesced
@@ -106,14 +108,15 @@ def test_tiles_fit_and_cover_every_head_dim():
 
 def test_compile_key_holds_only_code_generating_choices():
     tiles = FlashAttnBwdSm80.default_tiles(BF16, 128, True)
-    key = main_kernel_key(BF16, 128, True, False, False, tiles)
-    assert key[:6] == ("sm80", "bwd_main", "BFloat16", 128, True, False)
-    assert key != main_kernel_key(BF16, 128, True, True, False, tiles)
-    assert key != main_kernel_key(BF16, 128, True, False, True, tiles)
+    key = backward_plan(BF16, 128, True).main.key
+    assert key[:2] == ("cute_flash.kernels.sm80.bwd", "FlashAttnBwdSm80")
+    assert key != backward_plan(BF16, 128, True, deterministic=True).main.key
+    assert key != backward_plan(BF16, 128, True, gqa=True).main.key  # fp32 dK / dV
+    assert backward_plan(BF16, 128, True).pre.key == backward_plan(BF16, 128, False, True, True).pre.key
     # The H100's target keeps the fp32 P at d = 128; bf16 splits dQ's rows over four warps.
     h100 = FlashAttnBwdSm80.default_tiles(BF16, 128, True, "sm_90a")
     assert h100["p_in_registers"] and h100["atom_m_dq"] == 4 and not tiles["p_in_registers"]
-    assert main_kernel_key(BF16, 128, True, False, False, h100) != key
+    assert backward_plan(BF16, 128, True, arch="sm_90a").main.key != key
     h100_fp16 = FlashAttnBwdSm80.default_tiles(FP16, 128, True, "sm_90a")
     assert h100_fp16["p_in_registers"] and h100_fp16["atom_m_dq"] == 2
     assert FlashAttnBwdSm80.default_tiles(FP16, 256, False, "sm_90a")["p_in_registers"]
@@ -123,6 +126,5 @@ def test_compile_key_holds_only_code_generating_choices():
     assert (wide["num_stages_Q"], wide["num_stages_dO"], wide["dq_chunks"]) == (2, 1, 4)
     assert FlashAttnBwdSm80.default_tiles(BF16, 256, False)["num_stages_Q"] == 1
     assert not FlashAttnBwdSm80.default_tiles(BF16, 256, False, "sm_90a", gqa=True)["p_in_registers"]
-    assert main_kernel_key(BF16, 256, False, False, False, wide) != main_kernel_key(
-        BF16, 256, False, False, False, FlashAttnBwdSm80.default_tiles(BF16, 256, False))
+    assert backward_plan(BF16, 256, False, arch="sm_90a").main.key != backward_plan(BF16, 256, False).main.key
     assert not FlashAttnBwdSm80.default_tiles(FP16, 256, False)["p_in_registers"]

@@ -1,0 +1,261 @@
+"""The Hopper forward's compile-time configuration: one frozen object per compiled kernel.
+
+`forward_config(dtype, head_dim, causal, length, num_sms)` is the only place that decides how a
+problem class is launched: tiles, stages, the tile schedule, the softmax form and the epilogue. It
+is a pure function, and its result is the dispatch plan's (and the compile cache's) key, so classes
+that resolve to the same settings share one compiled kernel. Why each setting is where it is, with
+the measurements, is in docs/kernels/sm90-forward.md (section "Settings per problem class").
+
+`Sm90FwdConfig.create(...)` resolves settings that depend on each other (e.g. a dynamic schedule
+only for persistent CTAs, Q by warp group only where each group can release its rows), so two
+requests that mean the same kernel compare equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import cutlass
+
+SMEM_BYTES = 227 * 1024
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+@dataclass(frozen=True)
+class Sm90FwdConfig:
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    causal: bool
+    tile_m: int = 128  # rows of O per tile: 64 per consumer warp group
+    tile_n: int = 128  # keys per K/V block
+    num_stages: int = 2  # K/V blocks in flight
+    q_stages: int = 1  # Q buffers: with two, the next tile's Q loads while this one runs
+    # Persistent CTAs: a grid of at most num_sms CTAs walks the tiles; 0 is one CTA per tile.
+    num_sms: int = 0
+    # Causal tile order: "l2" longest first within groups of heads whose K/V fit in L2, "head"
+    # longest first within each head; "none" (non-causal) launch order.
+    tile_order: str = "none"
+    # Persistent CTAs take their next unit from a global counter as they finish (tile_scheduler.py).
+    dynamic_schedule: bool = False
+    # The last rounds of a static per-head causal walk come from a host plan (plan_walk).
+    planned_tail: bool = False
+    # Softmax forms (kernels/common/softmax.py): exponentiate against the running max first and
+    # settle the rare rows that outgrew it (stale_max), or rescale O only when a row's max grew
+    # past 2^8 (lazy_rescale); otherwise every block rescales O by its row factors.
+    stale_max: bool = False
+    lazy_rescale: bool = False
+    # Static walk: the producer warms L2 with the next tile's Q and first K/V block.
+    prefetch_next: bool = False
+    # Each consumer warp group stores its own 64 rows of O (16-byte stores from smem, or one TMA
+    # box per group with wg_tma_store) and goes on to its next tile.
+    wg_epilogue: bool = False
+    wg_tma_store: bool = False
+    # Q in one piece per consumer warp group, each released by its own group.
+    q_by_group: bool = False
+    # O from the accumulator straight to global memory (where O has no smem buffer of its own),
+    # releasing Q after the last S GEMM (release_q_early) or after the mainloop.
+    o_from_registers: bool = False
+    release_q_early: bool = False
+    # The epilogue's coordinates derived anew per tile, not kept live through the mainloop.
+    recompute_epilogue: bool = False
+    # Pipeline waits as plain try_wait loops instead of the DSL's suspending wait.
+    spin_waits: bool = True
+    # L2 eviction priorities on the TMA copies: Q and O evict-first, K and V evict-last.
+    cache_hints: bool = False
+
+    @staticmethod
+    def create(dtype, head_dim: int, causal: bool, *, num_sms: int = 0, dynamic_schedule: bool = False,
+               planned_tail: bool = False, stale_max: bool = False, lazy_rescale: bool = False,
+               prefetch_next: bool = False, recompute_epilogue: bool = False, o_from_registers: bool = False,
+               release_q_early: bool = True, wg_epilogue: bool = False, wg_tma_store: bool = False,
+               q_by_group: bool = False, tile_order: str = "none", **settings) -> "Sm90FwdConfig":
+        """The configuration with its interdependent settings resolved (see the field comments)."""
+        plain = Sm90FwdConfig(dtype, head_dim, causal, num_sms=num_sms, wg_epilogue=wg_epilogue, **settings)
+        assert can_implement(plain), plain
+        persistent = num_sms > 0
+        dynamic_schedule = persistent and dynamic_schedule
+        tile_order = tile_order if causal else "none"
+        o_from_registers = o_from_registers and not plain.separate_o
+        return replace(
+            plain,
+            tile_order=tile_order,
+            dynamic_schedule=dynamic_schedule,
+            planned_tail=planned_tail and causal and tile_order == "head" and persistent and not dynamic_schedule,
+            stale_max=stale_max,
+            lazy_rescale=lazy_rescale or stale_max,
+            prefetch_next=prefetch_next and persistent and not dynamic_schedule,
+            recompute_epilogue=recompute_epilogue and persistent,
+            o_from_registers=o_from_registers,
+            release_q_early=release_q_early and o_from_registers,
+            wg_tma_store=wg_tma_store and wg_epilogue and not o_from_registers,
+            q_by_group=q_by_group and (wg_epilogue or plain.separate_o or o_from_registers),
+        )
+
+    # Derived, never set: what the settings above imply for the kernel's shape.
+
+    @property
+    def num_wg_mma(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_mma_threads(self) -> int:
+        return 128 * self.num_wg_mma
+
+    @property
+    def num_threads(self) -> int:
+        return 128 + self.num_mma_threads  # one producer warp group
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread: 64K per SM over the four or five groups."""
+        return {2: (24, 240), 3: (32, 160)}[self.num_wg_mma]
+
+    @property
+    def splits_tail(self) -> bool:
+        """Persistent non-causal kernels split their last round (causal tiles run longest first,
+        so their last round is short anyway)."""
+        return self.num_sms > 0 and not self.causal
+
+    @property
+    def separate_o(self) -> bool:
+        """O has its own smem buffer (else it passes through Q's)."""
+        return smem_bytes(self) + self.tile_m * self.head_dim * self.dtype.width // 8 <= SMEM_BYTES
+
+    @property
+    def q_pieces(self) -> int:
+        return self.num_wg_mma if self.q_by_group else 1
+
+    @property
+    def q_piece_rows(self) -> int:
+        return self.tile_m // self.q_pieces
+
+    @property
+    def merge_batch(self) -> int:
+        """Chunks of the tail merge whose loads go out together: 20 registers each."""
+        return 8 if self.num_wg_mma == 2 else 4
+
+
+def smem_bytes(config: Sm90FwdConfig) -> int:
+    """Q's buffers (O reuses one when it has none of its own), the K/V ring, alignment and barriers."""
+    elem = config.dtype.width // 8
+    q = config.q_stages * config.tile_m * config.head_dim * elem
+    kv = 2 * config.num_stages * config.tile_n * config.head_dim * elem
+    return q + kv + 1024
+
+
+def wg_epilogue_fits(head_dim: int) -> bool:
+    """A warp group's 128 threads store whole rows of O, 8 elements (16 bytes) each: d64, d128,
+    d256, not d96 or d192."""
+    return 128 % (head_dim // 8) == 0
+
+
+def can_implement(config: Sm90FwdConfig) -> bool:
+    if config.dtype not in (cutlass.Float16, cutlass.BFloat16) or config.head_dim not in HEAD_DIMS:
+        return False
+    if config.tile_m not in (128, 192) or config.tile_n % 16 != 0 or not 16 <= config.tile_n <= 256:
+        return False
+    if config.num_stages < 1 or config.q_stages < 1:
+        return False
+    if config.wg_epilogue and not wg_epilogue_fits(config.head_dim):
+        return False
+    # Accumulator registers per consumer thread: S (tile_n/2) + P (tile_n/4) + O (head_dim/2).
+    # A coarse filter only: the compile test checks that the chosen tiles do not spill.
+    if config.tile_n // 2 + config.tile_n // 4 + config.head_dim // 2 > (200 if config.tile_m == 128 else 128):
+        return False
+    smem = smem_bytes(config)
+    if config.q_stages > 1:  # O then needs its own buffer
+        smem += config.tile_m * config.head_dim * config.dtype.width // 8
+    return smem <= SMEM_BYTES
+
+
+def forward_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> Sm90FwdConfig | None:
+    """The kernel for a problem class (cute_flash/dispatch.py: length_class), None where this
+    family has none (the sm80 kernels serve it). docs/kernels/sm90-forward.md gives each rule's
+    measurements."""
+    if head_dim not in HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
+        return None
+    settings = _tiles(head_dim, causal) | _length_settings(dtype, head_dim, causal, length, num_sms)
+    return Sm90FwdConfig.create(dtype, head_dim, causal, **settings)
+
+
+def _tiles(head_dim: int, causal: bool) -> dict:
+    """Every class's starting point: d64 on three consumer warp groups of 64 x 128, d128 with a
+    third K/V stage, d192 / d256 on narrower K/V blocks."""
+    if head_dim <= 64:
+        tiles = dict(tile_m=192, tile_n=128, num_stages=2)
+    elif head_dim <= 96:
+        tiles = dict(tile_m=128, tile_n=128, num_stages=2)
+    elif head_dim <= 128:
+        tiles = dict(tile_m=128, tile_n=128, num_stages=3)
+    elif head_dim <= 192:
+        tiles = dict(tile_m=128, tile_n=112, num_stages=2)
+    else:
+        tiles = dict(tile_m=128, tile_n=80, num_stages=2)
+    if causal:
+        tiles["tile_order"] = "l2"
+    return tiles
+
+
+def _length_settings(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> dict:
+    """What a length class changes from _tiles ("short_512" up to 512 keys, "short" up to 1024,
+    "short_2k" up to 2048, "mid" causal up to 4096, "long")."""
+    up_to_512 = length == "short_512"
+    up_to_1k = up_to_512 or length == "short"
+    short = up_to_1k or length == "short_2k"
+    three_groups_d96 = dict(tile_m=192, tile_n=96) if 64 < head_dim <= 96 and not up_to_1k else {}
+    lazy_rescale = not (head_dim <= 64 and not causal)
+    three_groups_d128 = dict(tile_m=192, tile_n=80, num_stages=3) if 96 < head_dim <= 128 and not short else {}
+    if length == "long":
+        config = dict(num_sms=num_sms, dynamic_schedule=True, stale_max=head_dim <= 192, **three_groups_d96)
+        if lazy_rescale:
+            config["lazy_rescale"] = True
+        if head_dim <= 64 and not causal:
+            config.update(spin_waits=False, recompute_epilogue=True, q_by_group=dtype is cutlass.BFloat16)
+        if head_dim > 192 and (causal or dtype is cutlass.BFloat16):
+            config.update(wg_epilogue=True, q_by_group=True)
+        if three_groups_d96 and causal:
+            config["recompute_epilogue"] = True
+        config.update(three_groups_d128)
+        return config
+    config = dict(num_sms=num_sms, stale_max=not (causal and head_dim <= 64 and up_to_1k), **three_groups_d96)
+    # Mid d128 runs the long kernel, whose groups store O together.
+    if wg_epilogue_fits(head_dim) and not three_groups_d128:
+        config["wg_epilogue"] = True
+        if short and head_dim <= 128 and not (causal and head_dim <= 64):
+            config["wg_tma_store"] = True
+    if causal and short:
+        config.update(tile_order="head", planned_tail=True)
+    elif causal:
+        config["tile_order"] = "l2"
+    if short and ((causal and head_dim != 96) or (up_to_1k and head_dim > 192)):
+        config["cache_hints"] = True
+    if length == "mid" or (up_to_1k and not causal and head_dim > 96):
+        config["dynamic_schedule"] = True
+    if length == "mid" and lazy_rescale:
+        config["lazy_rescale"] = True
+    if three_groups_d128:
+        config.update(three_groups_d128)
+    elif 96 < head_dim <= 128:
+        config.update(num_stages=2, q_stages=2)
+        if causal:
+            config["recompute_epilogue"] = True
+        else:
+            config.update(q_by_group=True, spin_waits=length == "short_2k")
+    if head_dim > 192:
+        config["q_by_group"] = True
+        if not causal:
+            config["recompute_epilogue"] = True
+        if short:
+            config.update(o_from_registers=True, release_q_early=not causal)
+        if up_to_1k and (causal or up_to_512):
+            config["tile_n"] = 64
+    if 128 < head_dim <= 192 and up_to_1k:
+        config["tile_n"] = 64
+    if head_dim <= 64:
+        if short:
+            config["prefetch_next"] = True
+        if causal and short:
+            config.update(tile_m=128, tile_n=128)
+        if not causal or short:
+            config["q_stages"] = 2
+    return config
