@@ -66,12 +66,14 @@ attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, causal: bool,
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for validated torch tensors, through autograd when a gradient is needed."""
+    """(out, lse) for torch tensors, through autograd when a gradient is needed."""
+    # The default scale needs the head dim; a q of the wrong rank gets its typed error here.
+    head_dim = q.shape[3] if q.dim() == 4 else check_qkv(q, k, v).head_dim
+    scale = check_softmax_scale(softmax_scale, head_dim)
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
-        scale = check_softmax_scale(softmax_scale, q.shape[-1])
         return attention_forward(q, k, v, scale, causal, deterministic)
-    return api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return api.forward(q, k, v, softmax_scale=scale, causal=causal)
 
 
 def results(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool) -> Any:
