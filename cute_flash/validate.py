@@ -180,7 +180,9 @@ def _real(name: str, value) -> float:
 
 def check_flag(name: str, value) -> bool:
     """A boolean option: True, False (or 1, 0)."""
-    if isinstance(value, (bool, int)) and value in (0, 1):
+    if value is True or value is False:
+        return value
+    if isinstance(value, int) and value in (0, 1):
         return bool(value)
     raise InvalidDimensionError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
@@ -189,6 +191,16 @@ def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slop
                              return_attn_probs, return_lse) -> tuple[bool, bool, bool, bool]:
     """The non-tensor arguments of flash-attn's interface: each is honoured or rejected with a typed
     error, never ignored. Returns (causal, deterministic, return_attn_probs, return_lse)."""
+    # Every call pays for this check: the usual values take one comparison chain.
+    defaults = (type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0
+                and alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1))
+    if not defaults:
+        _check_unsupported_options(dropout_p, window_size, softcap, alibi_slopes)
+    return (check_flag("causal", causal), check_flag("deterministic", deterministic),
+            check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
+
+
+def _check_unsupported_options(dropout_p, window_size, softcap, alibi_slopes) -> None:
     p = _real("dropout_p", dropout_p)
     if not 0.0 <= p <= 1.0:
         raise InvalidDimensionError(f"dropout_p must be in [0, 1], got {dropout_p}")
@@ -196,16 +208,15 @@ def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slop
         raise UnsupportedArgumentError(
             f"dropout_p={dropout_p} is not supported: cute-flash has no attention dropout; pass dropout_p=0.0"
         )
-    if not (type(window_size) is tuple and window_size == (-1, -1)):
-        try:
-            left, right = window_size
-        except (TypeError, ValueError):
-            raise InvalidDimensionError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-        if isinstance(left, bool) or isinstance(right, bool) or not (left == -1 and right == -1):
-            raise UnsupportedArgumentError(
-                f"window_size={window_size!r} is not supported: cute-flash has no sliding-window (local) "
-                "attention; pass window_size=(-1, -1)"
-            )
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise InvalidDimensionError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    if isinstance(left, bool) or isinstance(right, bool) or not (left == -1 and right == -1):
+        raise UnsupportedArgumentError(
+            f"window_size={window_size!r} is not supported: cute-flash has no sliding-window (local) "
+            "attention; pass window_size=(-1, -1)"
+        )
     if _real("softcap", softcap) != 0.0:
         raise UnsupportedArgumentError(
             f"softcap={softcap} is not supported: cute-flash has no logit softcapping; pass softcap=0.0"
@@ -214,8 +225,6 @@ def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slop
         raise UnsupportedArgumentError(
             "alibi_slopes is not supported: cute-flash has no ALiBi bias; pass alibi_slopes=None"
         )
-    return (check_flag("causal", causal), check_flag("deterministic", deterministic),
-            check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
 
 
 def check_packed(name: str, t, count: int, axes: str) -> None:
