@@ -278,3 +278,14 @@ def test_kernel_support_issue_names_the_reason():
     q, k, v = (t.bfloat16() for t in (q, k, v))
     assert "CUDA" in kernel_support_issue(q, k, v)
     assert "multiple of nheads_kv" in kernel_support_issue(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1))
+
+
+@pytest.mark.parametrize("kwargs", [{"causal": "no"}, {"causal": None}, {"deterministic": "yes"}], ids=str)
+def test_framework_neutral_api_rejects_non_boolean_flags(monkeypatch, kwargs):
+    monkeypatch.setattr("cute_flash.api.check_device", lambda tensors: torch.device("cuda", 0))
+    q, k, v = qkv(dtype=torch.float16)
+    lse = torch.zeros(2, 4, 5)
+    if "deterministic" not in kwargs:
+        expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, cute_flash.forward, q, k, v, **kwargs)
+    expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, cute_flash.backward, q, q, k, v, q, lse,
+           **kwargs)
