@@ -20,7 +20,7 @@ a scale that is not positive, a GPU older than sm_80, nested tensors) runs torch
 one that was registered before activation. The backward makes the same choice from the same
 arguments, so a forward and its backward always come from the same implementation (except after
 a forward with return_debug_mask, whose backward is ours: it needs only out and lse, which torch's
-kernel computes identically). Calls torch does not send to its flash backend at all (an attn_mask,
+kernel defines as cute-flash does). Calls torch does not send to its flash backend at all (an attn_mask,
 fp32, CPU tensors) never reach this module.
 
 On GPUs where torch prefers its cuDNN backend (sm_90 and sm_100 with a recent cuDNN), SDPA calls
