@@ -6,8 +6,10 @@ from .errors import (
     DimensionMismatchError,
     ErrorCode,
     InvalidDimensionError,
+    MissingDependencyError,
     MissingTensorError,
     OutOfMemoryError,
+    UnsupportedArgumentError,
     UnsupportedDtypeError,
     UnsupportedHeadDimError,
 )
@@ -16,9 +18,10 @@ from .reference import reference_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "flash_attn_func", "forward", "backward", "reference_attention", "CuteFlashError", "ErrorCode",
-    "CudaError", "DimensionMismatchError", "InvalidDimensionError", "MissingTensorError",
-    "OutOfMemoryError", "UnsupportedDtypeError", "UnsupportedHeadDimError",
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "forward", "backward",
+    "reference_attention", "CuteFlashError", "ErrorCode", "CudaError", "DimensionMismatchError",
+    "InvalidDimensionError", "MissingDependencyError", "MissingTensorError", "OutOfMemoryError",
+    "UnsupportedArgumentError", "UnsupportedDtypeError", "UnsupportedHeadDimError",
 ]
 
 
@@ -28,8 +31,8 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
-    if name == "flash_attn_func":
-        from .autograd import flash_attn_func
+    if name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"):
+        from . import flash_attn_interface
 
-        return flash_attn_func
+        return getattr(flash_attn_interface, name)
     raise AttributeError(f"module 'cute_flash' has no attribute {name!r}")

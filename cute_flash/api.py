@@ -13,7 +13,7 @@ from . import dispatch
 from .errors import MissingTensorError
 from .launchers import backward_launcher, forward_launcher
 from .tensors import VECTOR_BYTES
-from .validate import check_device, check_like, check_qkv, check_softmax_scale, lse_shape
+from .validate import check_device, check_flag, check_like, check_qkv, check_softmax_scale, lse_shape
 
 
 def as_torch(name: str, t):
@@ -135,9 +135,10 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
         tensors["lse"] = lse
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
+    causal = check_flag("causal", causal)
     with _on(device):
-        length = dispatch.length_class(problem.seqlen_k, bool(causal))
-        launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, bool(causal), length)
+        length = dispatch.length_class(problem.seqlen_k, causal)
+        launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, causal, length)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         launch(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
@@ -163,12 +164,13 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
             tensors[name] = grad
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
+    causal, deterministic = check_flag("causal", causal), check_flag("deterministic", deterministic)
     dispatch.cutlass_dtype(q.dtype)  # a typed error for dtypes no kernel computes, before any allocation
     with _on(device):
         grads = [output_buffer(grad, _like(like)) for grad, like in ((dq, q), (dk, k), (dv, v))]
         gqa = problem.nheads != problem.nheads_kv
-        launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, bool(causal),
-                           bool(deterministic), gqa)
+        launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, causal,
+                           deterministic, gqa)
         launch(kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
                kernel_input(lse, STAT_ALIGN), *grads, scale)
         return tuple(deliver(given, written) for given, written in zip((dq, dk, dv), grads))

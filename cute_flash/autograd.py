@@ -1,4 +1,4 @@
-"""`flash_attn_func`: the PyTorch-facing, differentiable entry point.
+"""`flash_attn_func`: the PyTorch-facing, differentiable entry point, with flash-attn 2's signature.
 
 Forward and backward are `torch.library` custom ops, so autograd and `torch.compile` (which cannot
 trace into CuTe DSL kernels) see two opaque operators with known output shapes: compiled graphs
@@ -8,20 +8,23 @@ directly, which saves the op dispatch on every call.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from . import api
-from .validate import check_qkv, check_softmax_scale
+from .validate import check_flash_attn_options, check_qkv, check_softmax_scale, require_torch_tensor
 
 
 @torch.library.custom_op("cute_flash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # `deterministic` only travels to the backward (through the autograd context).
     return api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
 @attention_forward.register_fake
-def _attention_forward_shapes(q, k, v, softmax_scale, causal):
+def _attention_forward_shapes(q, k, v, softmax_scale, causal, deterministic=False):
     problem = check_qkv(q, k, v)  # shape errors surface while tracing, not at run time
     lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
@@ -41,40 +44,81 @@ def _attention_backward_shapes(dout, q, k, v, out, lse, softmax_scale, causal, d
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, softmax_scale, causal = inputs
+    q, k, v, softmax_scale, causal, deterministic = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
-    ctx.softmax_scale, ctx.causal = softmax_scale, causal
+    ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
     ctx.mark_non_differentiable(lse)  # returned for inspection; no gradient flows through it
     ctx.set_materialize_grads(False)  # lse's gradient would otherwise be a zero-filled tensor
 
 
 def _backward(ctx, dout, _dlse):
     if dout is None:  # only lse reached the loss, and lse has no gradient
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal,
-                                    torch.are_deterministic_algorithms_enabled())
-    return dq, dk, dv, None, None
+    deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, deterministic)
+    return dq, dk, dv, None, None, None
 
 
 attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
-    """Exact attention, FlashAttention style.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, causal: bool,
+              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for torch tensors, through autograd when a gradient is needed."""
+    # The default scale needs the head dim; a q of the wrong rank gets its typed error here.
+    head_dim = q.shape[3] if q.dim() == 4 else check_qkv(q, k, v).head_dim
+    scale = check_softmax_scale(softmax_scale, head_dim)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if needs_grad or torch.compiler.is_compiling():
+        return attention_forward(q, k, v, scale, causal, deterministic)
+    return api.forward(q, k, v, softmax_scale=scale, causal=causal)
+
+
+def results(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool) -> Any:
+    """flash-attn 2's return convention: `(out, softmax_lse, S_dmask)` with `return_attn_probs`,
+    where S_dmask (the probabilities with the dropout pattern) exists only for dropout_p > 0, which
+    cute-flash rejects; so it is None here, as in flash-attn 2 with dropout_p = 0."""
+    if return_attn_probs:
+        return out, lse, None
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    return_lse: bool = False,
+) -> Any:
+    """Exact attention, FlashAttention style, with flash-attn 2's signature (argument order included).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
     nheads a multiple of nheads_kv (MQA/GQA). fp16 or bf16 on an sm_80-or-newer GPU; headdim any
-    multiple of 8 up to 256; any strides. Causal masking is bottom-right aligned. Returns `out`
-    (like q), and also `lse` ((batch, nheads, seqlen_q) float32, natural log) if `return_lse`.
-    Differentiable w.r.t. q, k and v; works inside `torch.compile`. The backward is deterministic
-    when `torch.use_deterministic_algorithms(True)` is on.
+    multiple of 8 up to 256; any strides. Causal masking is bottom-right aligned, as in flash-attn 2.
+
+    Implemented: softmax_scale (default 1/sqrt(headdim)), causal, deterministic (the backward is
+    deterministic when True or when `torch.use_deterministic_algorithms(True)` is on). Rejected with
+    `UnsupportedArgumentError`: dropout_p != 0, window_size != (-1, -1), softcap != 0, alibi_slopes.
+
+    Returns `out` (like q); `(out, lse)` with `return_lse=True`; `(out, lse, None)` with
+    `return_attn_probs=True` (lse: (batch, nheads, seqlen_q) float32, natural log of the softmax
+    normalizer; no probabilities, as flash-attn 2 gives none without dropout). Differentiable w.r.t.
+    q, k and v; works inside `torch.compile`.
     """
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if needs_grad or torch.compiler.is_compiling():
-        scale = check_softmax_scale(softmax_scale, q.shape[-1])
-        out, lse = attention_forward(q, k, v, scale, bool(causal))
-    else:
-        out, lse = api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
-    return (out, lse) if return_lse else out
+    require_torch_tensor("q", q)
+    require_torch_tensor("k", k)
+    require_torch_tensor("v", v)
+    causal, deterministic, return_attn_probs, return_lse = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse)
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic)
+    return results(out, lse, return_attn_probs, return_lse)

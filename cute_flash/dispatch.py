@@ -22,6 +22,7 @@ import torch
 from . import cache
 from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError
+from .validate import check_kernel_dtype
 from .tensors import (
     fake_bshd, fake_dq_accum, fake_rowstat, fake_semaphore, fake_stream, fake_tail_split_workspace,
 )
@@ -30,13 +31,8 @@ CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat
 
 
 def cutlass_dtype(dtype: torch.dtype):
-    try:
-        return CUTLASS_DTYPES[dtype]
-    except KeyError:
-        raise UnsupportedDtypeError(
-            f"{dtype} inputs are accepted by the API but no kernel computes them yet; "
-            "cast q, k, v to torch.bfloat16 or torch.float16"
-        ) from None
+    check_kernel_dtype(dtype)
+    return CUTLASS_DTYPES[dtype]
 
 
 @dataclass(frozen=True)

@@ -54,3 +54,17 @@ class UnsupportedHeadDimError(CuteFlashError, ValueError):
 
 class UnsupportedDtypeError(CuteFlashError, TypeError):
     code = ErrorCode.UNSUPPORTED_DTYPE
+
+
+class UnsupportedArgumentError(CuteFlashError, ValueError):
+    """An argument of the flash-attn interface that cute-flash does not implement (dropout, sliding
+    windows, softcapping, ALiBi): rejected rather than ignored. The message names what is supported."""
+
+    code = ErrorCode.INVALID_DIMENSION
+
+
+class MissingDependencyError(CuteFlashError, ImportError):
+    """An integration (torch's SDPA registry, Hugging Face transformers) needs a library, or a newer
+    version of one, than the one installed."""
+
+    code = ErrorCode.CUDA_ERROR

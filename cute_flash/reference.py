@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
+
+from .validate import check_flag, check_reference_inputs, check_softmax_scale
 
 
 def causal_allowed(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
@@ -14,17 +14,22 @@ def causal_allowed(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j <= i + (seqlen_k - seqlen_q)
 
 
-def reference_attention(q, k, v, softmax_scale=None, causal=False):
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
+                        causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention computed in float64, differentiable.
 
-    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), any device.
-    Returns (out, lse): out (batch, seqlen_q, nheads, headdim) float64 and lse (batch, nheads,
-    seqlen_q) float64, the natural-log logsumexp of the scaled scores. Rows that see no key give
-    out = 0 and lse = -inf.
+    q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), torch
+    tensors of any floating dtype and head dim on any one device, checked by the kernels' shape
+    rules (typed errors). Returns (out, lse): out (batch, seqlen_q, nheads, headdim) float64 and lse
+    (batch, nheads, seqlen_q) float64, the natural-log logsumexp of the scaled scores. Rows that see
+    no key give out = 0 and lse = -inf. softmax_scale = 0 gives uniform attention over the keys a
+    row sees.
     """
-    q, k, v = (torch.as_tensor(t).to(torch.float64) for t in (q, k, v))
+    check_reference_inputs(q, k, v)
+    scale = check_softmax_scale(softmax_scale, q.shape[-1])
+    causal = check_flag("causal", causal)
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
     nheads, nheads_kv = q.shape[2], k.shape[2]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     qh = q.transpose(1, 2)  # (b, h, sq, d)
     kh = k.transpose(1, 2).repeat_interleave(nheads // nheads_kv, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(nheads // nheads_kv, dim=1)

@@ -7,6 +7,7 @@ either return normally or raise a typed `CuteFlashError`.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -14,9 +15,11 @@ import torch
 from .device import capability as device_capability
 from .errors import (
     CudaError,
+    CuteFlashError,
     DimensionMismatchError,
     InvalidDimensionError,
     MissingTensorError,
+    UnsupportedArgumentError,
     UnsupportedDtypeError,
     UnsupportedHeadDimError,
 )
@@ -89,22 +92,32 @@ def check_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
     """The scale to use: the given one, or 1/sqrt(head_dim)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    scale = float(softmax_scale)
+    # A bool is an int to Python: `flash_attn_func(q, k, v, None, True)` written for the old argument
+    # order would otherwise run with scale 1.
+    if isinstance(softmax_scale, (bool, str, bytes)):
+        raise InvalidDimensionError(
+            f"softmax_scale must be a number or None, got {type(softmax_scale).__name__} {softmax_scale!r}"
+        )
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        raise InvalidDimensionError(
+            f"softmax_scale must be a number or None, got {type(softmax_scale).__name__}"
+        ) from None
     if not math.isfinite(scale) or scale < 0:
         raise InvalidDimensionError(f"softmax_scale must be a finite, non-negative number, got {softmax_scale}")
     return scale
 
 
-def check_qkv(q, k, v) -> Problem:
-    """Shapes, dtypes and head dim of q, k, v; not the device (see `check_device`)."""
-    _require_tensor("q", q)
-    _require_tensor("k", k)
-    _require_tensor("v", v)
+def _require_qkv_rank4(q, k, v) -> None:
     _require_rank4("q", q, "(batch, seqlen_q, nheads, headdim)")
     _require_rank4("k", k, "(batch, seqlen_k, nheads_kv, headdim)")
     _require_rank4("v", v, "(batch, seqlen_k, nheads_kv, headdim)")
-    _require_dtype(k, v, q.dtype)
-    batch, seqlen_q, nheads, head_dim = q.shape
+
+
+def _check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """How the shapes of rank-4 q, k, v must agree (batch, head dim, heads for MQA/GQA)."""
+    batch, _, nheads, head_dim = q.shape
     if k.shape != v.shape:
         raise DimensionMismatchError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != batch:
@@ -116,12 +129,23 @@ def check_qkv(q, k, v) -> Problem:
         raise DimensionMismatchError(
             f"nheads ({nheads}) must be a multiple of nheads_kv ({nheads_kv}) for multi-/grouped-query attention"
         )
+
+
+def check_qkv(q, k, v) -> Problem:
+    """Shapes, dtypes and head dim of q, k, v; not the device (see `check_device`)."""
+    _require_tensor("q", q)
+    _require_tensor("k", k)
+    _require_tensor("v", v)
+    _require_qkv_rank4(q, k, v)
+    _require_dtype(k, v, q.dtype)
+    _check_qkv_shapes(q, k, v)
+    batch, seqlen_q, nheads, head_dim = q.shape
     if head_dim % HEAD_DIM_MULTIPLE != 0 or head_dim > MAX_HEAD_DIM:
         raise UnsupportedHeadDimError(
             f"head dim {head_dim} is not supported; supported: every multiple of {HEAD_DIM_MULTIPLE} "
             f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}"
         )
-    return Problem(batch, seqlen_q, k.shape[1], nheads, nheads_kv, head_dim, q.dtype, q.device)
+    return Problem(batch, seqlen_q, k.shape[1], nheads, k.shape[2], head_dim, q.dtype, q.device)
 
 
 def check_like(name: str, t, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -135,3 +159,125 @@ def check_like(name: str, t, shape: tuple[int, ...], dtype: torch.dtype) -> None
 
 def lse_shape(p: Problem) -> tuple[int, int, int]:
     return (p.batch, p.nheads, p.seqlen_q)
+
+
+def require_torch_tensor(name: str, t) -> None:
+    """`t` is a torch.Tensor: the entry points built on autograd take nothing else."""
+    if isinstance(t, torch.Tensor):
+        return
+    if t is None:
+        raise MissingTensorError(f"{name} is required but was None")
+    hint = " (cute_flash.forward and cute_flash.backward take other DLPack tensors)" if hasattr(t, "__dlpack__") else ""
+    raise MissingTensorError(f"{name} must be a torch.Tensor, got {type(t).__name__}{hint}")
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, numbers.Real)):
+        raise InvalidDimensionError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def check_flag(name: str, value) -> bool:
+    """A boolean option: True, False (or 1, 0)."""
+    if value is True or value is False:
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise InvalidDimensionError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes, deterministic,
+                             return_attn_probs, return_lse) -> tuple[bool, bool, bool, bool]:
+    """The non-tensor arguments of flash-attn's interface: each is honoured or rejected with a typed
+    error, never ignored. Returns (causal, deterministic, return_attn_probs, return_lse)."""
+    # Every call pays for this check: the usual values take one comparison chain.
+    defaults = (type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0
+                and alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1))
+    if not defaults:
+        _check_unsupported_options(dropout_p, window_size, softcap, alibi_slopes)
+    return (check_flag("causal", causal), check_flag("deterministic", deterministic),
+            check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
+
+
+def _check_unsupported_options(dropout_p, window_size, softcap, alibi_slopes) -> None:
+    p = _real("dropout_p", dropout_p)
+    if not 0.0 <= p <= 1.0:
+        raise InvalidDimensionError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if p != 0.0:
+        raise UnsupportedArgumentError(
+            f"dropout_p={dropout_p} is not supported: cute-flash has no attention dropout; pass dropout_p=0.0"
+        )
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise InvalidDimensionError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    if isinstance(left, bool) or isinstance(right, bool) or not (left == -1 and right == -1):
+        raise UnsupportedArgumentError(
+            f"window_size={window_size!r} is not supported: cute-flash has no sliding-window (local) "
+            "attention; pass window_size=(-1, -1)"
+        )
+    if _real("softcap", softcap) != 0.0:
+        raise UnsupportedArgumentError(
+            f"softcap={softcap} is not supported: cute-flash has no logit softcapping; pass softcap=0.0"
+        )
+    if alibi_slopes is not None:
+        raise UnsupportedArgumentError(
+            "alibi_slopes is not supported: cute-flash has no ALiBi bias; pass alibi_slopes=None"
+        )
+
+
+def check_packed(name: str, t, count: int, axes: str) -> None:
+    """A packed input such as qkv (batch, seqlen, 3, nheads, headdim): `count` tensors along dim 2."""
+    require_torch_tensor(name, t)
+    if t.dim() != 5:
+        raise InvalidDimensionError(f"{name} must have 5 dimensions {axes}, got shape {tuple(t.shape)}")
+    if t.shape[2] != count:
+        raise DimensionMismatchError(
+            f"{name} must hold {count} tensors along dimension 2 {axes}, got shape {tuple(t.shape)}"
+        )
+
+
+def check_reference_inputs(q, k, v) -> None:
+    """The reference's inputs: the kernels' shape rules, on any device and any floating dtype and
+    head dim (it computes in float64)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_torch_tensor(name, t)
+    _require_qkv_rank4(q, k, v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_floating_point():
+            raise UnsupportedDtypeError(f"{name} is {t.dtype}; the reference takes floating-point tensors")
+    _check_qkv_shapes(q, k, v)
+    if not q.device == k.device == v.device:
+        raise CudaError(f"tensors are on different devices: q on {q.device}, k on {k.device}, v on {v.device}")
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+"""The dtypes some kernel computes (fp32 inputs pass the shape checks, then stop here)."""
+
+
+def check_kernel_dtype(dtype: torch.dtype) -> None:
+    if dtype not in KERNEL_DTYPES:
+        raise UnsupportedDtypeError(
+            f"{dtype} inputs are accepted by the API but no kernel computes them yet; "
+            "cast q, k, v to torch.bfloat16 or torch.float16"
+        )
+
+
+def kernel_support_issue(q, k, v, softmax_scale: float | None = None) -> str | None:
+    """Why no cute-flash kernel can compute attention on these (batch, seqlen, nheads, headdim)
+    tensors with this scale, or None when one can. For integrations that hand such calls back to
+    torch instead of raising."""
+    if any(getattr(t, "is_nested", False) for t in (q, k, v)):
+        return "nested (ragged) tensors are not supported"
+    try:
+        problem = check_qkv(q, k, v)
+        check_kernel_dtype(problem.dtype)
+        check_device({"q": q, "k": k, "v": v})
+    except CuteFlashError as error:
+        return str(error)
+    if softmax_scale is not None:
+        scale = float(softmax_scale)
+        # Zero is left to torch too: the kernels' zero-scale (uniform attention) path is not verified.
+        if not (math.isfinite(scale) and scale > 0):
+            return f"softmax_scale must be finite and positive, got {softmax_scale}"
+    return None

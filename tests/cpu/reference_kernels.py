@@ -1,0 +1,70 @@
+"""Float64 stand-ins for the kernels (`cute_flash.api.forward` and `backward`), so everything built
+on them (autograd, the flash-attn interface, SDPA and transformers routing) runs on the CPU. They
+honour the same keyword arguments (`out`, `lse`, `dq`, `dk`, `dv`, `softmax_scale`, `causal`,
+`deterministic`) and record every call."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cute_flash import api, reference_attention
+from cute_flash.reference import causal_allowed
+
+
+class ReferenceKernels:
+    def __init__(self):
+        self.forward_calls: list[dict] = []
+        self.backward_calls: list[dict] = []
+
+    def forward(self, q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
+        self.forward_calls.append({"q": q, "k": k, "v": v, "softmax_scale": softmax_scale, "causal": causal})
+        ref_out, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale,
+                                               causal=causal)
+        result_out, result_lse = ref_out.to(q.dtype), ref_lse.float()
+        if out is not None:
+            out.copy_(result_out)
+            result_out = out
+        if lse is not None:
+            lse.copy_(result_lse)
+            result_lse = lse
+        return result_out, result_lse
+
+    def backward(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
+                 deterministic=False):
+        """FlashAttention-2's backward equations in float64 (the kernels run below autograd, so the
+        stand-in cannot differentiate the reference itself)."""
+        self.backward_calls.append({"softmax_scale": softmax_scale, "causal": causal, "deterministic": deterministic})
+        scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+        group = q.shape[2] // k.shape[2]
+        qh, doh = (t.double().transpose(1, 2) for t in (q, dout))
+        kh, vh = (t.double().transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
+        scores = qh @ kh.transpose(-1, -2) * scale
+        if causal:
+            scores = scores.masked_fill(~causal_allowed(q.shape[1], k.shape[1]), float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        dp = doh @ vh.transpose(-1, -2)
+        ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+        grads = [(ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale, probs.transpose(-1, -2) @ doh]
+
+        def per_kv_head(t):
+            b, h, s, d = t.shape
+            return t.view(b, h // group, group, s, d).sum(2)
+
+        grads = [grads[0].transpose(1, 2), per_kv_head(grads[1]).transpose(1, 2), per_kv_head(grads[2]).transpose(1, 2)]
+        results = []
+        for given, grad, like in zip((dq, dk, dv), grads, (q, k, v)):
+            grad = grad.to(like.dtype)
+            if given is not None:
+                given.copy_(grad)
+                grad = given
+            results.append(grad)
+        return tuple(results)
+
+
+def install(monkeypatch) -> ReferenceKernels:
+    kernels = ReferenceKernels()
+    monkeypatch.setattr(api, "forward", kernels.forward)
+    monkeypatch.setattr(api, "backward", kernels.backward)
+    return kernels
