@@ -71,7 +71,7 @@ def _pool(jobs: int) -> ProcessPoolExecutor:
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse that reports a usage error as one line, `prog: error: message`, with exit
-    status 2: the usage text argparse prints above it would push the message off the screen."""
+    status 2: the usage text argparse prints first buries the line that says what is wrong."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
@@ -86,7 +86,7 @@ DTYPE_SPELLINGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16"
                    "half": "float16"}
 # The names result files use.
 SHORT_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
-PASSES = ("fwd", "bwd")
+KERNEL_PASSES = ("fwd", "bwd")
 
 
 def dtype_arg(text: str) -> str:
@@ -118,7 +118,7 @@ def head_dim_arg(text: str) -> int:
 
 
 def pass_arg(text: str) -> str:
-    if text not in PASSES:
+    if text not in KERNEL_PASSES:
         raise argparse.ArgumentTypeError(f"{text!r} is not a pass: use fwd, bwd or fwd,bwd")
     return text
 
