@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
+
+from . import __version__
 
 KEY_INSTRUCTIONS = {
     "sm80": ("mma.sync", "ldmatrix", "cp.async"),
@@ -59,12 +62,122 @@ def _pool(jobs: int) -> ProcessPoolExecutor:
     return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
 
 
+# ----------------------------------------------------------------------------- arguments
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line, `prog: error: message`, with exit
+    status 2: the usage text argparse prints first buries the line that says what is wrong."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class UsageError(Exception):
+    """A command line that cannot run as given, found after parsing (no GPU to default to)."""
+
+
+# Every command takes any of these for an element type.
+DTYPE_SPELLINGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                   "half": "float16"}
+# The names result files use.
+SHORT_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
+KERNEL_PASSES = ("fwd", "bwd")
+
+
+def dtype_arg(text: str) -> str:
+    """torch's name of an element type given in any of DTYPE_SPELLINGS (an argparse type)."""
+    spelling = text.strip().lower()
+    if spelling in DTYPE_SPELLINGS:
+        return DTYPE_SPELLINGS[spelling]
+    problem = "no kernel computes fp32 yet" if spelling in ("fp32", "float32", "float", "tf32") else f"{text!r} is not an element type"
+    raise argparse.ArgumentTypeError(f"{problem}: use bf16 (bfloat16) or fp16 (float16, half)")
+
+
+def short_dtype_arg(text: str) -> str:
+    """bf16 or fp16 from any of DTYPE_SPELLINGS (an argparse type)."""
+    return SHORT_DTYPE_NAMES[dtype_arg(text)]
+
+
+def head_dim_arg(text: str) -> int:
+    """A head dim the kernels compute (an argparse type)."""
+    from .validate import HEAD_DIM_MULTIPLE, MAX_HEAD_DIM
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a head dim (a whole number)") from None
+    if value <= 0 or value % HEAD_DIM_MULTIPLE or value > MAX_HEAD_DIM:
+        raise argparse.ArgumentTypeError(f"head dim {value} is not supported: cute-flash computes multiples "
+                                         f"of {HEAD_DIM_MULTIPLE} up to {MAX_HEAD_DIM}")
+    return value
+
+
+def pass_arg(text: str) -> str:
+    if text not in KERNEL_PASSES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pass: use fwd, bwd or fwd,bwd")
+    return text
+
+
+def jobs_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes (1 or more)")
+    return value
+
+
+def comma_list(parse_one):
+    """An argparse type for a comma-separated list of `parse_one` values, repeats dropped."""
+
+    def parse(text: str) -> list:
+        values = list(dict.fromkeys(_parse_list(text.replace(" ", ""), parse_one)))
+        if not values:
+            raise argparse.ArgumentTypeError("expected a comma-separated list")
+        return values
+
+    return parse
+
+
+def compile_targets() -> list[str]:
+    """The DSL's compile targets that cute-flash can build for: sm_80 and newer, plain or
+    arch-specific ('a'), except plain sm_90, which lacks the wgmma the Hopper kernels use."""
+    from cutlass.base_dsl.enums import Arch
+
+    return [a.name for a in Arch if a.major >= 8 and a.suffix in ("", "a") and a.name != "sm_90"]
+
+
+def arch_arg(text: str) -> str:
+    """A compile target from compile_targets() (an argparse type); a near miss such as sm90 or
+    sm_90 gets a suggestion, a GPU older than Ampere a reason."""
+    targets = compile_targets()
+    if text in targets:
+        return text
+    match = re.fullmatch(r"(?:sm|compute)?_?(\d+?)(\d)([a-z]?)", text.strip().lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU target; use one of {', '.join(targets)}")
+    major, minor, suffix = int(match[1]), int(match[2]), match[3]
+    if major < 8:
+        raise argparse.ArgumentTypeError(f"the CuTe DSL cannot target sm_{major}{minor}: cute-flash needs an "
+                                         "Ampere (sm_80) or newer GPU")
+    near = [t for t in targets if t.removesuffix("a") == f"sm_{major}{minor}"]
+    if not near:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a target the CuTe DSL knows; use one of {', '.join(targets)}")
+    same = f"sm_{major}{minor}{suffix}"
+    why = " (the Hopper kernels use wgmma, which only the sm_90a target has)" if major == 9 else ""
+    raise argparse.ArgumentTypeError(f"{text!r} is not a target name: did you mean {same if same in near else near[-1]}?{why}")
+
+
 def _variant_selection(args):
     from .validate import SUPPORTED_HEAD_DIMS
 
     default = SUPPORTED_HEAD_DIMS if args.command == "check" else (32, 64, 96, 128, 192, 256)
-    head_dims = _parse_list(args.head_dims, int) if args.head_dims else list(default)
-    return _parse_list(args.dtypes), head_dims, [False, True]
+    return args.dtypes, args.head_dims or list(default)
+
+
+# ----------------------------------------------------------------------------- compiling
 
 
 def _check_one(arch: str, variant, pass_name: str):
@@ -87,22 +200,82 @@ def _check_one(arch: str, variant, pass_name: str):
     return rows
 
 
-def cmd_check(args) -> int:
-    """Compile every variant for an architecture and report resources and key instructions."""
-    dtypes, head_dims, causals = _variant_selection(args)
-    jobs = [(variant, p) for p in args.passes.split(",") for variant in forward_variants(dtypes, head_dims, causals)]
-    print(f"{'variant':34} {'compile s':>9} {'regs':>5} {'smem B':>8} {'spill B':>8}  key instructions (count in PTX)")
-    failures = rows = 0
-    with _pool(args.jobs) as pool:
-        futures = [pool.submit(_check_one, args.arch, variant, p) for variant, p in jobs]
+class Progress:
+    """How many of `total` compile jobs have finished and the seconds since the start, on stderr:
+    one line rewritten in place on a terminal, a line per finished job elsewhere (logs)."""
+
+    def __init__(self, command: str, total: int):
+        self.command, self.total, self.done = command, total, 0
+        self.start = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        line = f"{self.command}: {self.done}/{self.total} done, {self.elapsed():.0f} s elapsed ({label})"
+        sys.stderr.write("\r\033[K" + line if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def clear(self) -> None:
+        """Take the progress line off a terminal before other output goes there."""
+        if self.tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _task_label(variant, pass_: str) -> str:
+    dtype, head_dim, causal, *gqa = variant
+    return f"{pass_}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}{'/gqa' if any(gqa) else ''}"
+
+
+def _finished(jobs: int, work, arch: str, tasks: list):
+    """Run `work(arch, variant, pass)` for every (variant, pass) task in `jobs` worker processes;
+    yield (task index, its result or the exception it raised) as each finishes."""
+    with _pool(jobs) as pool:
+        futures = {pool.submit(work, arch, variant, p): i for i, (variant, p) in enumerate(tasks)}
         for future in as_completed(futures):
-            for label, seconds, regs, smem, spill, found in future.result():
+            try:
+                yield futures[future], future.result()
+            except Exception as exc:  # noqa: BLE001 (one broken variant must not hide the others)
+                yield futures[future], exc
+
+
+def cmd_check(args) -> int:
+    """Compile every variant for an architecture and report resources and key instructions,
+    in the order the variants are listed (dtype, head dim, causal)."""
+    dtypes, head_dims = _variant_selection(args)
+    tasks = [(variant, p) for p in args.passes for variant in forward_variants(dtypes, head_dims, (False, True))]
+    print(f"check: {len(tasks)} variants for {args.arch} in {min(args.jobs, len(tasks))} processes",
+          file=sys.stderr, flush=True)
+    print(f"{'variant':34} {'compile s':>9} {'regs':>5} {'smem B':>8} {'spill B':>8}  key instructions (count in PTX)",
+          flush=True)
+    outcomes = [None] * len(tasks)
+    printed = failures = rows = 0
+    progress = Progress("check", len(tasks))
+    for index, outcome in _finished(args.jobs, _check_one, args.arch, tasks):
+        outcomes[index] = outcome
+        progress.clear()
+        # A variant's rows are printed once every variant listed before it has finished.
+        while printed < len(tasks) and outcomes[printed] is not None:
+            done = outcomes[printed]
+            if isinstance(done, Exception):
+                failures += 1
+                print(f"{_task_label(*tasks[printed]):34} compile failed: {type(done).__name__}: {done}  <-- FAIL")
+                done = []
+            for label, seconds, regs, smem, spill, found in done:
                 bad = spill > 0 or not all(found[i] for i in found if i != "setmaxnreg")
                 failures += bad
                 rows += 1
                 ins = " ".join(f"{k}={v}" for k, v in found.items())
-                print(f"{label:34} {seconds:9.1f} {regs:5d} {smem if smem is not None else '-':>8} {spill:8d}  {ins}{'  <-- FAIL' if bad else ''}", flush=True)
-    print(f"{rows} kernels, {failures} with spills or missing instructions")
+                print(f"{label:34} {seconds:9.1f} {regs:5d} {smem if smem is not None else '-':>8} {spill:8d}  {ins}{'  <-- FAIL' if bad else ''}")
+            sys.stdout.flush()
+            printed += 1
+        progress.advance(_task_label(*tasks[index]))
+    progress.clear()
+    print(f"{rows} kernels, {failures} with spills, missing instructions or failed compiles "
+          f"({progress.elapsed():.0f} s)")
     return 1 if failures else 0
 
 
@@ -117,38 +290,57 @@ def _warm_one(arch: str, variant, pass_name: str):
     return main_label, time.perf_counter() - start
 
 
+def _this_gpus_target() -> str:
+    """The compile target of the visible GPU; a usage error without one (warmup needs --arch then)."""
+    import torch
+
+    from . import device
+
+    if not torch.cuda.is_available():
+        raise UsageError("no CUDA GPU visible: name the compile target, e.g. --arch sm_90a (H100) or --arch sm_80 (A100)")
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        raise UsageError(f"this GPU is sm_{major}{minor}; cute-flash needs an Ampere (sm_80) or newer GPU")
+    return device.target_arch_for((major, minor))
+
+
 def cmd_warmup(args) -> int:
     """Fill the disk cache for the chosen variants, several compiles at once."""
-    from . import cache, device
+    from . import cache
 
-    if args.arch is None:
-        import torch
-
-        args.arch = device.target_arch_for(torch.cuda.get_device_capability())
+    arch = args.arch or _this_gpus_target()
     if not cache.disk_enabled():
-        print("the disk cache is off (CUTE_FLASH_CACHE=0): nothing to warm", file=sys.stderr)
-        return 1
-    dtypes, head_dims, causals = _variant_selection(args)
-    jobs = []
+        raise UsageError("the disk cache is off (CUTE_FLASH_CACHE=0): nothing to warm")
+    dtypes, head_dims = _variant_selection(args)
+    tasks = []
     if "fwd" in args.passes:
-        jobs += [(variant, "fwd") for variant in forward_variants(dtypes, head_dims, causals)]
+        tasks += [(variant, "fwd") for variant in forward_variants(dtypes, head_dims, (False, True))]
     if "bwd" in args.passes:
         gqas = (False, True) if args.gqa else (False,)
-        jobs += [((d, h, c, g), "bwd") for d, h, c in forward_variants(dtypes, head_dims, causals) for g in gqas]
-    start = time.perf_counter()
-    with _pool(args.jobs) as pool:
-        for future in as_completed([pool.submit(_warm_one, args.arch, variant, p) for variant, p in jobs]):
-            label, seconds = future.result()
-            print(f"{label:34} {seconds:6.1f} s", flush=True)
-    print(f"{len(jobs)} variants ready in {cache.cache_root() / cache.namespace()} ({time.perf_counter() - start:.1f} s)")
-    return 0
+        tasks += [((d, h, c, g), "bwd") for d, h, c in forward_variants(dtypes, head_dims, (False, True)) for g in gqas]
+    print(f"warmup: {len(tasks)} variants for {arch} in {min(args.jobs, len(tasks))} processes", file=sys.stderr, flush=True)
+    progress = Progress("warmup", len(tasks))
+    failed = []
+    for index, outcome in _finished(args.jobs, _warm_one, arch, tasks):
+        if isinstance(outcome, Exception):
+            failed.append(f"{_task_label(*tasks[index])}: {type(outcome).__name__}: {outcome}")
+            progress.advance(f"{_task_label(*tasks[index])} failed")
+        else:
+            label, seconds = outcome
+            progress.advance(f"{label}, {seconds:.1f} s")
+    progress.clear()
+    for line in failed:
+        print(f"warmup: compile failed: {line}", file=sys.stderr)
+    print(f"{len(tasks) - len(failed)} variants ready in {cache.cache_root() / cache.namespace()} "
+          f"({progress.elapsed():.1f} s){f', {len(failed)} failed' if failed else ''}", flush=True)
+    return 1 if failed else 0
 
 
 def cmd_info(args) -> int:
     import cutlass
     import torch
 
-    from . import __version__, cache
+    from . import cache
 
     print(f"cute-flash {__version__}, nvidia-cutlass-dsl {cutlass.__version__}, torch {torch.__version__}")
     if torch.cuda.is_available():
@@ -165,31 +357,47 @@ def cmd_info(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("bench", "dashboard"):
-        from .perf import bench, dashboard
-
-        return (bench if argv[0] == "bench" else dashboard).main(argv[1:])
-    parser = argparse.ArgumentParser(prog="cute-flash", description=__doc__)
+def build_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="cute-flash", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, GPU, compile target and cache")
     for name, helptext in (("check", "compile every variant, report registers/smem/spills/instructions"),
                            ("warmup", "compile variants into the disk cache in parallel")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--arch", default="sm_80" if name == "check" else None, help="sm_80, sm_86, sm_90a, ... (warmup: this GPU's)")
-        p.add_argument("--dtypes", default="float16,bfloat16")
-        p.add_argument("--head-dims", default="", help="comma list; default: check every multiple of 8 up to 256, "
-                       "warmup 32,64,96,128,192,256")
-        p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)))
-        p.add_argument("--passes", default="fwd,bwd" if name == "warmup" else "fwd",
-                       help="fwd, bwd or both (the backward kernels are the sm80 family's)")
+        p.add_argument("--arch", type=arch_arg, default="sm_80" if name == "check" else None,
+                       help="compile target: sm_80, sm_86, sm_89, sm_90a, ... (default: "
+                            f"{'sm_80' if name == 'check' else 'the visible GPU'})")
+        p.add_argument("--dtypes", type=comma_list(dtype_arg), default="bf16,fp16",
+                       help="comma list of bf16 (bfloat16), fp16 (float16, half); default: both")
+        p.add_argument("--head-dims", type=comma_list(head_dim_arg), default=None,
+                       help="comma list of multiples of 8 up to 256; default: "
+                            f"{'all of them' if name == 'check' else '32,64,96,128,192,256'}")
+        p.add_argument("--jobs", type=jobs_arg, default=os.cpu_count() or 2,
+                       help="compiles at once (default: one per CPU core)")
+        p.add_argument("--passes", type=comma_list(pass_arg), default="fwd,bwd" if name == "warmup" else "fwd",
+                       help="fwd, bwd or fwd,bwd (the backward kernels are the sm80 family's)")
         if name == "warmup":
             p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
     sub.add_parser("bench", help="run a benchmark suite (see cute-flash bench --help)")
-    sub.add_parser("dashboard", help="render perf/results into plots (see cute-flash dashboard --help)")
-    args = parser.parse_args(argv)
-    return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup}[args.command](args)
+    sub.add_parser("dashboard", help="render benchmark results into plots (see cute-flash dashboard --help)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("bench", "dashboard"):
+        if argv[0] == "bench":
+            from .perf.bench import main as run
+        else:
+            from .perf.dashboard import main as run
+        return run(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup}[args.command](args)
+    except UsageError as exc:
+        print(f"cute-flash {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

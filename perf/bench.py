@@ -16,12 +16,16 @@ from pathlib import Path
 
 import torch
 
+from cute_flash.cli import ArgumentParser, short_dtype_arg
+
 from . import harness, results
 from .methods import METHOD_NAMES, OURS, discover_methods
 from .suites import PASSES, SUITES, Cell, attention_flops, get_suite
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+# Relative to the current directory (the repository's results archive when run from its root):
+# never inside the installed package.
+DEFAULT_OUT = Path("perf/results")
 DEVICE = "cuda"  # the CPU tests point this at "cpu" to exercise the whole run without a GPU
 OVERHEAD_CALLS = 1000
 OVERHEAD_GOAL_US = 20.0
@@ -291,12 +295,12 @@ def summary_table(rows: list[dict]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="cute-flash bench", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="cute-flash bench", description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True,
                    help=f"suite name, or several joined by commas (one result file): {', '.join(SUITES)}")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the result file (default: %(default)s)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="element type (default: the suite's own: paper/quick bf16, seed fp16)")
+    p.add_argument("--dtype", type=short_dtype_arg, default=None,
+                   help="bf16 (bfloat16) or fp16 (float16, half) (default: the suite's own: paper/quick bf16, seed fp16)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated subset of: {', '.join(METHOD_NAMES)} (default: all)")
     p.add_argument("--target-s", type=float, default=0.5, help="seconds of timed calls per measurement (default: 0.5)")
