@@ -242,7 +242,7 @@ class FlashAttnFwdSm80:
         gK = cute.local_tile(mK[batch, None, head_kv, None], blk_kv, (None, 0))
         gV = cute.local_tile(mV[batch, None, head_kv, None], blk_kv, (None, 0))
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sKV_layout)
