@@ -127,7 +127,7 @@ DETERMINISTIC_CASES = [
 
 
 @pytest.mark.parametrize("dtype, head_dim, causal, seqlens, nheads_kv", DETERMINISTIC_CASES, ids=str)
-def test_deterministic_algorithms_give_bit_identical_grads(dtype, head_dim, causal, seqlens, nheads_kv):
+def test_deterministic_mode_is_bit_identical(dtype, head_dim, causal, seqlens, nheads_kv):
     """With torch.use_deterministic_algorithms(True) autograd asks for the deterministic backward,
     and three runs give bitwise-equal gradients (torch also fills its fresh buffers with NaN in
     this mode, so a workspace the kernels read before writing shows)."""
