@@ -332,33 +332,55 @@ def backward_determinism_flags():
         api.backward = real
 
 
-def sm90_forward_class():
-    from cute_flash.kernels.sm90.fwd import FlashAttnFwdSm90
+def sm90_forward_config(dtype, head_dim: int, causal: bool, length: str):
+    """The Hopper forward's configuration that dispatch picks on this GPU (kernels/sm90/config.py)."""
+    from cute_flash import dispatch
 
-    return FlashAttnFwdSm90
+    return dispatch.plan_forward(torch.cuda.get_device_capability(), dtype, head_dim, causal, length).config
+
+
+def sm90_walk_plan(seqlen_q: int, seqlen_k: int, num_heads_batch: int, config) -> list[int]:
+    from cute_flash.kernels.sm90.tile_scheduler import plan_walk
+
+    return plan_walk(seqlen_q, seqlen_k, num_heads_batch, config.tile_m, config.tile_n, config.num_sms)
 
 
 def sm90_walk_plan_is_empty(plan) -> bool:
-    """Whether a planned short causal walk (FlashAttnFwdSm90.plan_walk) leaves the end unplanned."""
-    from cute_flash.kernels.sm90.fwd import _NO_UNIT
+    """Whether a planned short causal walk (tile_scheduler.plan_walk) leaves the end unplanned."""
+    from cute_flash.kernels.sm90.tile_scheduler import NO_UNIT
 
-    return plan[0] == _NO_UNIT
+    return plan[0] == NO_UNIT
+
+
+def record_sm90_tail_plans(monkeypatch) -> list:
+    """(tail tiles, pieces) of each tail plan the sm90 launcher makes from now on (None: no split)."""
+    from cute_flash import launchers
+
+    plans, planner = [], launchers.tail_plan
+
+    def recorded_plan(*args):
+        plan = planner(*args)
+        plans.append(None if plan is None else (plan.tiles, len(plan.units)))
+        return plan
+
+    monkeypatch.setattr(launchers, "tail_plan", recorded_plan)
+    return plans
 
 
 def clear_sm90_tail_plans():
-    from cute_flash import forward_sm90
+    from cute_flash import launchers
 
-    forward_sm90._tail_plan.cache_clear()
+    launchers._tail_plan.cache_clear()
 
 
 def assert_counters_at_zero():
     """Every counter of the sm90 forward (kept per device, stream and tail plan, in front of the
-    plan's words) is back at zero after the calls (kernels/sm90/fwd.py: TailPlan)."""
-    from cute_flash import dispatch, forward_sm90
-    from cute_flash.kernels.sm90.fwd import TailPlan
+    plan's words) is back at zero after the calls (kernels/sm90/tile_scheduler.py: TailPlan)."""
+    from cute_flash import device, launchers
+    from cute_flash.kernels.sm90.tile_scheduler import TailPlan
 
-    for _, counters in forward_sm90._counters.values():
-        assert int(counters[:TailPlan.plan_offset(dispatch.sm_count())].abs().sum()) == 0
+    for _, counters in launchers._counters.values():
+        assert int(counters[:TailPlan.plan_offset(device.sm_count())].abs().sum()) == 0
 
 
 # --- The head-dim sweep ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cute_flash
-from cute_flash import dispatch
+from cute_flash import device, dispatch
 
 from cute_flash.reference import causal_allowed
 
@@ -17,7 +17,9 @@ from .common import (
     randn,
     run_forward,
     served_by,
-    sm90_forward_class,
+    record_sm90_tail_plans,
+    sm90_forward_config,
+    sm90_walk_plan,
     sm90_walk_plan_is_empty,
 )
 
@@ -139,7 +141,7 @@ def test_short_2k(family, head_dim, causal):
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 192, 256])
 def test_dynamic_schedule(family, head_dim, causal):
     """Long problems (and mid causal ones) run persistent CTAs that take their next tile from a
-    global counter as they finish one (kernels/sm90/fwd.py: fetch_unit); here with more tiles than
+    global counter as they finish one (kernels/sm90/tile_scheduler.py: fetch_unit); here with more tiles than
     SMs and GQA (non-causal: the last round split into pieces), twice in a row: the last fetch of
     each call leaves the counter at zero."""
     assert dispatch.length_class(4600, causal) == "long"
@@ -149,7 +151,7 @@ def test_dynamic_schedule(family, head_dim, causal):
 
 def test_causal_l2_groups_of_long_heads(family):
     """Causal tiles run longest first across groups of heads whose K/V fit in L2 together
-    (kernels/sm90/fwd.py: tile_coord), also where one head alone has more tiles than there are
+    (kernels/sm90/tile_scheduler.py: tile_coord), also where one head alone has more tiles than there are
     SMs: 128 m_blocks of 128 rows, K/V of 16300 keys (two heads a group), three heads, so that
     the last group has one; MQA, twice in a row."""
     check_shape(1, (16300, 16300), 3, 1, 256, True, calls=2)
@@ -240,17 +242,15 @@ def test_64_column_blocks(family, head_dim, seqlens, causal, dtype):
                                               (192, (1000, 1000)), (256, (1000, 1000)), (96, (1800, 2000)),
                                               (256, (1800, 2000))], ids=str)
 def test_planned_tail(family, head_dim, seqlens, dtype):
-    """Short causal walks end on the host's plan (kernels/sm90/fwd.py: plan_walk): shapes whose plan
+    """Short causal walks end on the host's plan (kernels/sm90/tile_scheduler.py: plan_walk): shapes whose plan
     is not empty (checked on the sm90 kernel's tiles), GQA 4, a partial last tile, twice in a row."""
     batch, nheads = (3, 16) if seqlens[0] == 1000 else (2, 16)
     length = dispatch.length_class(seqlens[1], True)
     assert length in ("short", "short_2k")
     if family == "native" and torch.cuda.get_device_capability()[0] == 9:
-        config = dict(dispatch.plan_forward(torch.cuda.get_device_capability(), dtype, head_dim, True, length).init_kwargs)
-        kernel_cls = sm90_forward_class()
-        assert kernel_cls(**config).planned_tail
-        plan = kernel_cls.plan_walk(*seqlens, batch * nheads, config["tile_m"], config["tile_n"], config["num_sms"])
-        assert not sm90_walk_plan_is_empty(plan)
+        config = sm90_forward_config(dtype, head_dim, True, length)
+        assert config.planned_tail
+        assert not sm90_walk_plan_is_empty(sm90_walk_plan(*seqlens, batch * nheads, config))
     check_shape(batch, seqlens, nheads, 4, head_dim, True, dtype=dtype, calls=2)
 
 
@@ -264,8 +264,7 @@ def test_wg_tma_store(family, head_dim, causal, seqlens, dtype):
     must stay untouched, twice in a row."""
     length = dispatch.length_class(seqlens[1], causal)
     if family == "native" and torch.cuda.get_device_capability()[0] == 9:
-        config = dict(dispatch.plan_forward(torch.cuda.get_device_capability(), dtype, head_dim, causal, length).init_kwargs)
-        assert sm90_forward_class()(**config).wg_tma_store
+        assert sm90_forward_config(dtype, head_dim, causal, length).wg_tma_store
     batch, (sq, sk), nheads, guard = 3, seqlens, 16, 64
     q = randn(batch, sq, nheads, head_dim, dtype=dtype)
     k, v = (randn(batch, sk, 4, head_dim, dtype=dtype) for _ in range(2))
@@ -281,7 +280,7 @@ def test_wg_tma_store(family, head_dim, causal, seqlens, dtype):
 
 @pytest.mark.parametrize("head_dim,seqlens,nheads", [(256, (1000, 20000), 3), (128, (16390, 16390), 2)])
 def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
-    """The long causal tile order (kernels/sm90/fwd.py: tile_coord, "l2") in its two rarer shapes:
+    """The long causal tile order (kernels/sm90/tile_scheduler.py: tile_coord, "l2") in its two rarer shapes:
     a last group of heads smaller than the others (L2 holds the K/V of two of the three heads at
     20k keys of d256), and one head at a time once a head has 128 tiles or more."""
     assert dispatch.length_class(seqlens[1], True) == "long"
@@ -293,7 +292,7 @@ def test_causal_tile_order_edges(family, head_dim, seqlens, nheads):
 def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
     """Short problems run persistent CTAs that each take several tiles in turn: more tiles than an
     H100 has SMs, so the Q stages, the per-warp-group O stores and the next-tile prefetch all
-    rotate at least once (kernels/sm90/fwd.py: length_config)."""
+    rotate at least once (kernels/sm90/config.py: forward_config)."""
     assert dispatch.length_class(1024, causal) == "short"
     check_shape(4, (1000, 1024), 16, 4, head_dim, causal)
 
@@ -313,26 +312,18 @@ def test_short_persistent_walk_over_many_tiles(family, head_dim, causal):
 ])
 def test_tail_split(family, monkeypatch, dtype, head_dim, batch, seqlens, nheads, nheads_kv, plan_on_132):
     """Long non-causal problems run persistent CTAs whose last tiles are cut along the keys into
-    pieces that merge through a global workspace (kernels/sm90/fwd.py: tail_plan, TailPlan,
+    pieces that merge through a global workspace (kernels/sm90/tile_scheduler.py: tail_plan, TailPlan,
     merge_pieces): equal pieces within the last round, or stream-K shares over the last two. The
     counters are left at zero for the next call. On an H100's 132 SMs the sm90 kernel must have
     planned `plan_on_132`: (tail tiles, pieces)."""
-    kernel_cls = sm90_forward_class()
-    plans, planner = [], kernel_cls.tail_plan
-
-    def recorded_plan(*args):
-        plan = planner(*args)
-        plans.append(None if plan is None else (plan.tiles, len(plan.units)))
-        return plan
-
-    monkeypatch.setattr(kernel_cls, "tail_plan", staticmethod(recorded_plan))
+    plans = record_sm90_tail_plans(monkeypatch)
     clear_sm90_tail_plans()
     assert dispatch.length_class(seqlens[1], False) == "long"
     # The second call reuses the counters and the plan the first one left behind.
     check_shape(batch, seqlens, nheads, nheads_kv, head_dim, False, dtype=dtype, calls=2)
     assert_counters_at_zero()
     clear_sm90_tail_plans()
-    if family != "sm80" and dispatch.sm_count() == 132:
+    if family != "sm80" and device.sm_count() == 132:
         assert plans == [plan_on_132]
 
 
@@ -355,7 +346,7 @@ def test_one_compiled_kernel_serves_every_length(family):
 def test_forward_memory_is_linear_in_seqlen(family):
     """B=1, H=8, N=16384, D=64 fp16: the only extra device memory is O and LSE, and the tail
     split's workspace, which does not grow with N: at most one (192 x 64) float32 O tile and its
-    LSE per SM (kernels/sm90/fwd.py: tail_split_plan)."""
+    LSE per SM (kernels/sm90/tile_scheduler.py: tail_split_plan)."""
     q, k, v = (randn(1, 16384, 8, 64, dtype=torch.float16) for _ in range(3))
     cute_flash.forward(q, k, v)  # compile outside the measurement
     torch.cuda.synchronize()
@@ -365,14 +356,14 @@ def test_forward_memory_is_linear_in_seqlen(family):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     expected = out.numel() * out.element_size() + lse.numel() * lse.element_size()
-    workspace = dispatch.sm_count() * 192 * (64 + 1) * 4 if family == "native" else 0
+    workspace = device.sm_count() * 192 * (64 + 1) * 4 if family == "native" else 0
     assert extra <= expected + workspace + 4096, f"extra memory {extra} B > O + LSE + {workspace} B"
 
 
 @pytest.mark.parametrize("head_dim,causal,seqlen", [(128, True, 512), (64, False, 4096), (256, True, 1000)])
 def test_back_to_back_calls_order_their_memory(family, head_dim, causal, seqlen):
     """An sm90 forward may start while the kernel before it in the stream is still ending
-    (dependent_launch, kernels/sm90/fwd.py) and must wait for it before it touches memory. Six
+    (programmatic dependent launch, kernels/sm90/fwd.py) and must wait for it before it touches memory. Six
     calls queued with nothing between them, on two buffers in turn: each reads as Q what the call
     before it wrote (read after write) and writes where that call read its Q (write after read).
     The result must equal the same chain's with a synchronization after every call."""

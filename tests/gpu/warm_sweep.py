@@ -35,9 +35,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from cute_flash import dispatch
+    from cute_flash import device
 
-    arch = dispatch.target_arch_for(torch.cuda.get_device_capability())
+    arch = device.target_arch_for(torch.cuda.get_device_capability())
     variants = [(pass_name, dtype, head_dim, sweep_causal(head_dim))
                 for pass_name in ("fwd", "bwd") for dtype in ("float16", "bfloat16") for head_dim in SWEEP_HEAD_DIMS]
     start = time.perf_counter()
