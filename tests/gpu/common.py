@@ -242,7 +242,7 @@ def family_of(key) -> str:
 @contextlib.contextmanager
 def kernels_used():
     """Collects the compile keys of every kernel looked up inside the block. The API keeps forward
-    launchers per problem class, which skip the lookup; they are dropped first so that every call
+    and backward launchers per problem class, which skip the lookup; they are dropped first so that every call
     inside looks its kernel up (from the memory cache: nothing is compiled twice)."""
     from cute_flash import cache
 
@@ -253,7 +253,7 @@ def kernels_used():
         keys.append(key)
         return real(key, build, arch)
 
-    clear_forward_launchers()  # (this imports the API, and with it every module that looks kernels up)
+    clear_launchers()  # (this imports the API, and with it every module that looks kernels up)
     # Modules that imported the function by name hold their own reference to it.
     holders = [module for name, module in list(sys.modules.items())
                if name.split(".")[0] == "cute_flash" and getattr(module, "get_or_compile", None) is real]
@@ -267,7 +267,7 @@ def kernels_used():
 
 
 def assert_served_by(keys, family: str):
-    assert keys, "no kernel lookup recorded: clear_forward_launchers() in tests/gpu/common.py misses a memo"
+    assert keys, "no kernel lookup recorded: clear_launchers() in tests/gpu/common.py misses a memo"
     families = {family_of(key) for key in keys}
     assert families == {family}, f"expected the {family} kernels, the call used {sorted(families)}: {keys}"
 
@@ -305,11 +305,12 @@ def run_backward(q, k, v, dout, causal, deterministic=False, softmax_scale=None)
 # --- Internal names (kept here so that a change of module layout touches one file) ----------------
 
 
-def clear_forward_launchers():
-    """Forget the API's per-process forward launchers (cute_flash/api.py)."""
+def clear_launchers():
+    """Forget the API's per-process forward and backward launchers (cute_flash/api.py)."""
     from cute_flash import api
 
     api._forward_kernels.clear()
+    api._backward_kernels.clear()
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def compiled_copy(head_dim=64):
-    from cute_flash.dispatch import target_arch
+    from cute_flash.device import target_arch
 
     return cache.get_or_compile(("tests", "copy", head_dim), tiny_kernel.build(head_dim), target_arch())
 

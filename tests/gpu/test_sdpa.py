@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cute_flash
 from cute_flash import sdpa
 
-from .common import assert_forward_accurate, randn
+from .common import FORWARD_FLOOR, assert_within_yardstick, emulate_forward, randn
 from .kernel_spy import count_kernel_calls
 
 pytestmark = [
@@ -43,6 +43,10 @@ def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal, gqa):
     with sdpa.enabled():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         got = grads(out, dout, q, k, v)
+    if not torch_flash_serves(q, k, v, is_causal=causal, enable_gqa=gqa):
+        # torch's flash backend does not take this call (GQA on some torch versions): nor do we.
+        assert spy == {"forward": 0, "backward": 0}
+        return
     assert spy == {"forward": 1, "backward": 1}
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
     direct = cute_flash.flash_attn_func(qt, kt, vt, causal=causal)
@@ -68,6 +72,17 @@ def test_deterministic_mode_reaches_the_sdpa_backward(spy):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def torch_flash_serves(q, k, v, **kwargs) -> bool:
+    """Whether torch's own flash backend accepts this call (without cute-flash activated)."""
+    assert not sdpa.is_active()
+    try:
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), **kwargs)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _max_err(a, b):
     return (a.double() - b.double()).abs().max().item()
 
@@ -79,9 +94,10 @@ def test_head_dim_padded_by_sdpa_keeps_the_original_scale(spy):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert spy["forward"] == 1
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    out_bshd = out.transpose(1, 2)
-    lse = cute_flash.forward(qt, kt, vt, causal=True)[1]  # the scale check is on out; lse from the same kernel
-    assert_forward_accurate(out_bshd, lse, qt, kt, vt, True, softmax_scale=36 ** -0.5)
+    scale = 36 ** -0.5  # head dim 36 itself has no kernel: only `out` (of the padded call) is checked
+    ref, _ = cute_flash.reference_attention(qt, kt, vt, softmax_scale=scale, causal=True)
+    emulated, _ = emulate_forward(qt, kt, vt, scale, True)
+    assert_within_yardstick("out", out.transpose(1, 2), emulated, ref, FORWARD_FLOOR)
 
 
 def test_activate_and_deactivate(spy):
