@@ -35,18 +35,13 @@ def grads(out, dout, *inputs):
     return torch.autograd.grad(out, inputs, dout)
 
 
-@pytest.mark.parametrize("causal, gqa", [(True, True), (False, False), (True, False)])
-def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal, gqa):
-    q = bhsd(2, 8, 257, 64, grad=True)
-    k, v = (bhsd(2, 2 if gqa else 8, 257, 64, grad=True) for _ in range(2))
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal):
+    q, k, v = (bhsd(2, 8, 257, 64, grad=True) for _ in range(3))
     dout = randn(2, 8, 257, 64, dtype=torch.bfloat16)
     with sdpa.enabled():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         got = grads(out, dout, q, k, v)
-    if not torch_flash_serves(q, k, v, is_causal=causal, enable_gqa=gqa):
-        # torch's flash backend does not take this call (GQA on some torch versions): nor do we.
-        assert spy == {"forward": 0, "backward": 0}
-        return
     assert spy == {"forward": 1, "backward": 1}
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
     direct = cute_flash.flash_attn_func(qt, kt, vt, causal=causal)
@@ -57,6 +52,19 @@ def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal, gqa):
         err, size = _max_err(g, e.transpose(1, 2)), e.abs().max().item()
         assert err <= 1e-2 * size, f"{name}: {err:.3e} (max |grad| {size:.3e})"
     assert not sdpa.is_active()
+
+
+def test_sdpa_with_enable_gqa_is_right_whichever_backend_torch_picks():
+    """With enable_gqa=True, torch 2.11 on the H100 picks a backend other than flash even when flash
+    comes first in the priority order (measured 2026-11-27), so cute-flash is not called there. The
+    result must still be exact attention, whichever backend computed it."""
+    q = bhsd(2, 8, 257, 64)
+    k, v = (bhsd(2, 2, 257, 64) for _ in range(2))
+    with sdpa.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    ref, _ = cute_flash.reference_attention(qt, kt, vt, causal=True)
+    assert _max_err(out.transpose(1, 2), ref) <= 2e-2 * ref.abs().max().item()
 
 
 def test_deterministic_mode_reaches_the_sdpa_backward(spy):
@@ -70,17 +78,6 @@ def test_deterministic_mode_reaches_the_sdpa_backward(spy):
         torch.use_deterministic_algorithms(False)
     assert spy == {"forward": 2, "backward": 2}
     assert all(torch.equal(a, b) for a, b in zip(*runs))
-
-
-def torch_flash_serves(q, k, v, **kwargs) -> bool:
-    """Whether torch's own flash backend accepts this call (without cute-flash activated)."""
-    assert not sdpa.is_active()
-    try:
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), **kwargs)
-    except RuntimeError:
-        return False
-    return True
 
 
 def _max_err(a, b):
