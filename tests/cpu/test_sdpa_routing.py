@@ -213,7 +213,7 @@ def test_scales_the_kernels_do_not_take_go_to_torch(monkeypatch, scale):
     from cute_flash import validate
 
     monkeypatch.setattr(validate, "check_device", lambda tensors: torch.device("cuda", 0))
-    monkeypatch.setattr("cute_flash.dispatch.cutlass_dtype", lambda dtype: None)
+    monkeypatch.setattr(validate, "check_kernel_dtype", lambda dtype: None)
     calls = install(monkeypatch)
     q, k, v = bhsd()
     assert validate.kernel_support_issue(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.3) is None
