@@ -21,7 +21,9 @@ conflict. Conflict-free means every phase takes one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
+
+import numpy as np
 
 BANKS = 32
 BANK_BYTES = 4
@@ -52,6 +54,10 @@ class Swizzle:
     shift: int
 
     def __call__(self, x: int) -> int:
+        return self.apply(x)
+
+    def apply(self, x):
+        """The swizzle of an int or of a numpy array of them."""
         mask = (1 << self.bits) - 1
         if self.shift >= 0:
             return x ^ ((x & (mask << (self.base + self.shift))) >> self.shift)
@@ -74,6 +80,9 @@ class Layout:
         if not isinstance(self.shape, tuple):  # a rank-1 layout n:d is the one mode (n,):(d,)
             object.__setattr__(self, "shape", (self.shape,))
             object.__setattr__(self, "stride", (self.stride,))
+        # Each top-level mode's flattened (sizes, strides), evaluated often.
+        object.__setattr__(self, "_modes", tuple((flatten(shape), flatten(stride))
+                                                 for shape, stride in zip(self.shape, self.stride)))
 
     @property
     def rank(self) -> int:
@@ -89,18 +98,26 @@ class Layout:
     def outer_offset(self, coord) -> int:
         """The offset before the swizzle."""
         if isinstance(coord, int):
-            pairs = [(self.shape, self.stride, coord)]
+            pairs = [(flatten(self.shape), flatten(self.stride), coord)]
         else:
-            pairs = zip(self.shape, self.stride, coord)
+            pairs = [(sizes, strides, c) for (sizes, strides), c in zip(self._modes, coord)]
         offset = self.offset
-        for shape, stride, c in pairs:
-            sizes, strides = flatten(shape), flatten(stride)
+        for sizes, strides, c in pairs:
+            last = len(sizes) - 1
             for i, (s, d) in enumerate(zip(sizes, strides)):
                 # The last sub-mode takes what is left, as CuTe's crd2idx does.
-                digit = c if i == len(sizes) - 1 else c % s
-                offset += digit * d
+                offset += (c if i == last else c % s) * d
                 c //= s
         return offset
+
+    def table(self) -> np.ndarray:
+        """The offsets of every linear coordinate 0 .. size - 1, swizzle applied (as __call__)."""
+        index = np.arange(self.size, dtype=np.int64)
+        offsets = np.full(self.size, self.offset, dtype=np.int64)
+        for s, d in zip(flatten(self.shape), flatten(self.stride)):
+            offsets += index % s * d
+            index //= s
+        return self.swizzle.apply(offsets) if self.swizzle is not None else offsets
 
     def __call__(self, coord) -> int:
         offset = self.outer_offset(coord)
@@ -132,17 +149,6 @@ def phase_threads(access_bytes: int) -> int:
     return BANKS if access_bytes <= BANK_BYTES else WAVEFRONT_BYTES // access_bytes
 
 
-def phase_ways(accesses: Iterable[Iterable[int]]) -> int:
-    """Wavefronts one phase takes: per bank, the distinct 4-byte words its threads touch (threads
-    reading the same word share it). `accesses` holds each thread's byte addresses."""
-    words_per_bank: dict[int, set[int]] = {}
-    for addresses in accesses:
-        for address in addresses:
-            word = address // BANK_BYTES
-            words_per_bank.setdefault(word % BANKS, set()).add(word)
-    return max((len(words) for words in words_per_bank.values()), default=0)
-
-
 @dataclass(frozen=True)
 class Conflicts:
     worst: int  # the most wavefronts one phase took
@@ -161,55 +167,52 @@ class Conflicts:
         return f"{self.worst}-way conflicts ({self.wavefronts / self.phases:.2f} wavefronts per phase)"
 
 
-def conflicts_of(phases: Iterable[list[list[int]]]) -> Conflicts:
-    ways = [phase_ways(p) for p in phases]
-    return Conflicts(max(ways, default=0), sum(ways), len(ways))
+def conflicts_of(phases: np.ndarray) -> Conflicts:
+    """Wavefronts of phases given as rows of byte addresses (each element at most 4 bytes, so in
+    one bank word): per phase and bank, the distinct words touched (threads reading one word share
+    it); a phase takes as many wavefronts as its busiest bank has words."""
+    phases = np.asarray(phases, dtype=np.int64)
+    if phases.size == 0:
+        return Conflicts(0, 0, 0)
+    count = phases.shape[0]
+    words = phases // BANK_BYTES
+    # Distinct (phase, word) pairs, then how many of them fall on each (phase, bank).
+    pairs = np.unique(np.arange(count)[:, None] * (1 << 40) + words)
+    phase_of, word = pairs >> 40, pairs & ((1 << 40) - 1)
+    busy, per_bank = np.unique(phase_of * BANKS + word % BANKS, return_counts=True)
+    ways = np.zeros(count, dtype=np.int64)
+    np.maximum.at(ways, busy // BANKS, per_bank)
+    return Conflicts(int(ways.max()), int(ways.sum()), count)
 
 
-def chunk_phases(address: Callable[[tuple], int], lines: int, chunks: int, elems_per_chunk: int,
-                 line_mode: int) -> list[list[list[int]]]:
-    """The core-matrix reads of a tile: for each 16-byte column and each group of 8 lines, the 8
-    chunks at that column (one 8x8 matrix of ldmatrix, ldmatrix.trans or stmatrix, one wgmma core
-    matrix). `address(coord)` is an element's byte address; the lines run along mode `line_mode`
-    of the tile and the chunks along the other one."""
-
-    def coord(line: int, element: int) -> tuple[int, int]:
-        return (line, element) if line_mode == 0 else (element, line)
-
-    phases = []
-    for column in range(chunks):
-        first_element = column * elems_per_chunk
-        for first_line in range(0, lines - lines % 8, 8):
-            phases.append([[address(coord(line, e)) for e in range(first_element, first_element + elems_per_chunk)]
-                           for line in range(first_line, first_line + 8)])
-    return phases
+def chunk_phases(addresses: np.ndarray, elems_per_chunk: int) -> np.ndarray:
+    """The core-matrix reads of a tile whose (lines, elements) byte addresses are `addresses`:
+    for each 16-byte column and each group of 8 lines, the 8 chunks at that column (one 8x8
+    matrix of ldmatrix, ldmatrix.trans or stmatrix, one wgmma core matrix), one row each."""
+    lines = addresses.shape[0] - addresses.shape[0] % 8
+    chunks = addresses.shape[1] // elems_per_chunk
+    blocks = addresses[:lines, :chunks * elems_per_chunk].reshape(lines // 8, 8, chunks, elems_per_chunk)
+    return blocks.transpose(0, 2, 1, 3).reshape(-1, 8 * elems_per_chunk)
 
 
-def partition_phases(tv: Layout, tiler: tuple[int, int], tensor_shape: tuple[int, int],
-                     address: Callable[[tuple], int], access_bytes: int, access_values: int) -> list[list[list[int]]]:
-    """The phases of a tiled copy applied to a tensor (`partition_S` / `partition_D`): the copy's
-    (thread, value) -> tile layout `tv` repeats over the tensor's first two modes in tiles of
-    `tiler`; each thread moves `access_values` consecutive values (`access_bytes`) per
-    instruction. Elements are at most 4 bytes wide, so each lies in one bank word."""
+def partition_phases(tv: Layout, tiler: tuple[int, int], addresses: np.ndarray, access_bytes: int,
+                     access_values: int) -> np.ndarray:
+    """The phases of a tiled copy applied to a tensor (`partition_S` / `partition_D`), one row of
+    byte addresses each: the copy's (thread, value) -> tile layout `tv` repeats over the tensor,
+    whose (rows, columns) byte addresses are `addresses`, in tiles of `tiler`; each thread moves
+    `access_values` consecutive values (`access_bytes`) per instruction."""
     threads, values = tv.mode_size(0), tv.mode_size(1)
     tile_m, tile_n = tiler
     per_phase = phase_threads(access_bytes)
-    offsets = [[tv((t, v)) for v in range(values)] for t in range(threads)]
+    offsets = tv.table().reshape(values, threads).T  # [thread, value] -> offset in the tile
+    rows, cols = offsets % tile_m, offsets // tile_m
+    groups = threads // per_phase, per_phase, values // access_values, access_values
     phases = []
-    for rep_n in range(tensor_shape[1] // tile_n):
-        for rep_m in range(tensor_shape[0] // tile_m):
-            for first_value in range(0, values, access_values):
-                for first in range(0, threads, per_phase):
-                    phase = []
-                    for t in range(first, min(first + per_phase, threads)):
-                        addresses = []
-                        for v in range(first_value, first_value + access_values):
-                            index = offsets[t][v]
-                            m, n = index % tile_m + rep_m * tile_m, index // tile_m + rep_n * tile_n
-                            addresses.append(address((m, n)))
-                        phase.append(addresses)
-                    phases.append(phase)
-    return phases
+    for rep_n in range(addresses.shape[1] // tile_n):
+        for rep_m in range(addresses.shape[0] // tile_m):
+            tile = addresses[rows + rep_m * tile_m, cols + rep_n * tile_n].reshape(groups)
+            phases.append(tile.transpose(0, 2, 1, 3).reshape(-1, per_phase * access_values))
+    return np.concatenate(phases) if phases else np.zeros((0, 0), dtype=np.int64)
 
 
 # ----------------------------------------------------------------------------- thread-value maps

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
+import numpy as np
 from cutlass.cute import atom as cute_atom
 from cutlass.cute.nvgpu import cpasync
 
@@ -87,11 +87,14 @@ class SmemTensor(Record):
     shape: tuple
     storage_field: str | None = None
 
-    def address(self, coord: tuple) -> int:
-        """Byte address from the buffer's 1024-byte aligned base (what bank mapping needs)."""
-        full = tuple(coord) + (0,) * (self.layout.rank - len(coord))
-        byte = self.layout(full) * self.elem_bits // 8
-        return self.pointer_swizzle(byte) if self.pointer_swizzle is not None else byte
+    @functools.cached_property
+    def addresses(self) -> np.ndarray:
+        """[row, column] -> byte address of stage 0 (further modes at 0), from the buffer's
+        1024-byte aligned base: all that bank mapping needs."""
+        rows, cols = self.shape[0], self.shape[1] if len(self.shape) > 1 else 1
+        offsets = self.layout.table()[:rows * cols].reshape(cols, rows).T
+        addresses = offsets * self.elem_bits // 8
+        return self.pointer_swizzle.apply(addresses) if self.pointer_swizzle is not None else addresses
 
     @property
     def swizzle_text(self) -> str:
@@ -181,19 +184,17 @@ class KernelLayouts:
 
 
 @functools.lru_cache(maxsize=None)
-def _source_tree(path: str) -> ast.Module:
-    return ast.parse(Path(path).read_text(), filename=path)
+def _simple_statements(path: str) -> tuple[ast.stmt, ...]:
+    """The statements of a kernel source file that hold no others."""
+    tree = ast.parse(Path(path).read_text(), filename=path)
+    return tuple(node for node in ast.walk(tree) if isinstance(node, ast.stmt) and not hasattr(node, "body"))
 
 
+@functools.lru_cache(maxsize=None)
 def _statement(path: str, line: int) -> ast.stmt | None:
     """The innermost simple statement of a kernel source file that spans `line`."""
-    best = None
-    for node in ast.walk(_source_tree(path)):
-        if (isinstance(node, ast.stmt) and not hasattr(node, "body")
-                and node.lineno <= line <= (node.end_lineno or node.lineno)):
-            if best is None or node.lineno >= best.lineno:
-                best = node
-    return best
+    spanning = [node for node in _simple_statements(path) if node.lineno <= line <= (node.end_lineno or node.lineno)]
+    return max(spanning, key=lambda node: node.lineno, default=None)
 
 
 def _assigned_name(path: str, line: int) -> str | None:
@@ -433,11 +434,12 @@ class _Recorder:
         return Partition(f"{copy_expr}.{builder}({tensor_expr})", sites, builder, copy_expr, tensor_expr, copy, smem)
 
     def _known_copy(self, copy: Copy) -> Copy:
-        """The recorded tiled copy a thread slice comes from (the same op and layouts)."""
-        for known in self.out.copies:
-            if (known.op, known.tiler, known.tv_src, known.tv_dst) == (copy.op, copy.tiler, copy.tv_src, copy.tv_dst):
-                return known
-        return copy
+        """The recorded tiled copy a thread slice comes from: the same op and layouts, by
+        preference under the name the slice was assigned to (`s2r = make_tiled_copy_A(...).get_slice(t)`)."""
+        same = [known for known in self.out.copies
+                if (known.op, known.tiler, known.tv_src, known.tv_dst) == (copy.op, copy.tiler, copy.tv_src, copy.tv_dst)]
+        same.sort(key=lambda known: known.name != copy.name)
+        return same[0] if same else copy
 
     def _fragment(self, builder, args, kwargs, result, name, sites, raw):
         if _memspace(result) != cute.AddressSpace.rmem:
