@@ -101,14 +101,11 @@ def pictures(layouts: KernelLayouts) -> dict[str, str]:
 # stay true while lines move; tests/cpu/test_layouts.py checks one folder against a fresh run.
 DOC_VARIANTS = (
     ("sm80-fwd-bf16-d128", "fwd", "sm_80", "bfloat16", 128, False, "long",
-     ("smem-sQ.svg", "copy-gmem_tiled_copy_QKV-dst.svg", "copy-smem_thr_copy_Q-src.svg",
-      "copy-smem_thr_copy_V-src.svg", "mma-tiled_mma-A.svg", "mma-tiled_mma-C.svg")),
+     ("smem-sQ.svg", "copy-smem_thr_copy_Q-src.svg", "mma-tiled_mma-C.svg")),
     ("sm80-bwd-bf16-d64", "bwd", "sm_80", "bfloat16", 64, False, "long",
-     ("smem-sdS.svg", "mma-tiled_mma_sdp-warps.svg", "mma-tiled_mma_dkv+tiled_mma_dq-warps.svg",
-      "copy-r2s_PdS-dst.svg")),
+     ("mma-tiled_mma_sdp-warps.svg", "mma-tiled_mma_dkv+tiled_mma_dq-warps.svg")),
     ("sm90-fwd-bf16-d128", "fwd", "sm_90a", "bfloat16", 128, False, "long",
-     ("smem-sQ.svg", "smem-sVt.svg", "mma-tiled_mma_qk-C.svg", "mma-tiled_mma_pv-A.svg",
-      "mma-tiled_mma_qk-warps.svg", "copy-smem_copy_O-dst.svg")),
+     ("smem-sVt.svg", "mma-tiled_mma_qk-C.svg", "mma-tiled_mma_pv-A.svg")),
 )
 DOCS_NUM_SMS = 132  # the persistent Hopper kernels are sized for an H100 SXM in the docs
 

@@ -223,13 +223,14 @@ def _in_kernels(filename: str) -> bool:
 
 
 # The DSL runs the bodies of dynamic if / while / for statements as functions of these names,
-# called from the line of the statement they stand for.
-_GENERATED_BODY = re.compile(r"_(block|region|body)_\d+$")
+# called from the line of the statement they stand for; Python runs a comprehension as <listcomp>.
+_GENERATED_BODY = re.compile(r"_(block|region|body)_\d+$|^<\w+>$")
 
 
 def _sites(frame) -> tuple[tuple[Site, ...], list[tuple[str, int]]]:
     """The kernel-source frames from `frame` outward, up to the kernel's entry points; a
-    statement body the DSL runs as a function of its own counts as part of its function."""
+    statement body the DSL runs as a function of its own (or a comprehension) counts as part of
+    its function."""
     sites, raw = [], []
     inner_line = None
     while frame is not None:
@@ -506,7 +507,7 @@ def _wrapper(recorder: _Recorder, real, name: str, kind: str):
 
 
 @contextlib.contextmanager
-def _dry_run(arch: str):
+def dry_run(arch: str):
     """IR only, for `arch` (the DSL reads its settings once at import; set them per trace)."""
     from cutlass.cutlass_dsl import CuTeDSL
 
@@ -555,7 +556,7 @@ def record(kernel, fake_args: tuple, arch: str) -> KernelLayouts:
 
     kernel.kernel = Launch
     try:
-        with _wrapped_builders(recorder), _dry_run(arch):
+        with _wrapped_builders(recorder), dry_run(arch):
             cute.compile(kernel, *fake_args)
     finally:
         del kernel.kernel  # the class's own method again

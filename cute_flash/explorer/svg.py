@@ -1,13 +1,14 @@
 """Pictures of a kernel's recorded layouts, as small self-contained SVG files.
 
     smem_svg(tensor)          a shared-memory tile: each 16-byte chunk, coloured by bank group
-    tv_svg(mma, operand)      an MMA operand's thread/value map (A, B or C)
+    tv_svg(mma, operand)      an MMA operand's thread/value map (A, B or C), one 16 x 8 block
     warps_svg(mma)            which warp owns which part of an MMA's accumulator tile
     copy_svg(copy, side)      a tiled copy's thread map, one cell per instruction's access
 
 Every picture shows a window of at most a few hundred cells (the patterns repeat; the title
-says which part is shown) and names the layout and the kernel function that builds it. The
-cells of a picture are the <rect> elements of its <g id="cells">; nothing else is drawn in it.
+says which part is shown) and names the layout and the kernel function that builds it. In the
+<g id="cells"> of a picture each cell is one rectangle of a <path> ("M x y h w v h h -w z")
+and each label line one <text>.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def _hue(index: int, count: int) -> str:
 
 
 class _Picture:
-    """A grid of cells under a title, with row and column numbers."""
+    """A grid of cells under a title, with row and column numbers. The cells of one colour are
+    one <path> (a rectangle per cell) and each line of labels one <text>, which keeps a picture
+    of a few hundred cells within about 20 KB."""
 
     def __init__(self, title: list[str], rows: int, cols: int, cell_w: int, cell_h: int,
                  row_name: str, col_name: str, col_step: int = 1, row_step: int = 1):
@@ -38,7 +41,8 @@ class _Picture:
         self.cell_w, self.cell_h, self.col_step, self.row_step = cell_w, cell_h, col_step, row_step
         self.row_name, self.col_name = row_name, col_name
         self.styles: dict[str, str] = {}
-        self.cells: list[str] = []
+        self.cells: dict[str, list[str]] = {}  # class -> its cells' rectangles
+        self.labels: dict[float, list[tuple[float, str]]] = {}  # baseline -> (centre, label) on it
         self.legend: list[tuple[str, str]] = []
         self.top = TITLE_LINE * len(title) + 30
 
@@ -49,10 +53,10 @@ class _Picture:
     def cell(self, row: int, col: int, css_class: str, label: list[str], height: int = 1, width: int = 1):
         x, y = MARGIN + col * self.cell_w, self.top + row * self.cell_h
         w, h = width * self.cell_w, height * self.cell_h
-        self.cells.append(f'<rect class="{css_class}" x="{x}" y="{y}" width="{w}" height="{h}"/>')
+        self.cells.setdefault(css_class, []).append(f"M{x} {y}h{w}v{h}h-{w}z")
         first = y + h / 2 - 5 * (len(label) - 1) + 3
         for i, text in enumerate(label):
-            self.cells.append(f'<text x="{x + w / 2:g}" y="{first + 10 * i:g}">{escape(text)}</text>')
+            self.labels.setdefault(first + 10 * i, []).append((x + w / 2, text))
 
     def render(self) -> str:
         width = MARGIN + self.cols * self.cell_w + 10
@@ -61,7 +65,7 @@ class _Picture:
         width = max(width, 7 * max(len(line) for line in self.title) + 20)
         out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
                f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="9">',
-               "<style>rect{stroke:#666;stroke-width:0.5}text{text-anchor:middle}"
+               "<style>path,rect{stroke:#666;stroke-width:0.5}text{text-anchor:middle}"
                ".t{text-anchor:start;font-size:11px}.a{fill:#666}"
                + "".join(f".{name}{{fill:{fill}}}" for name, fill in sorted(self.styles.items())) + "</style>",
                '<rect width="100%" height="100%" fill="#fff" stroke="none"/>']
@@ -73,7 +77,9 @@ class _Picture:
             out.append(f'<text class="a" x="{MARGIN + (c + 0.5) * self.cell_w:g}" y="{axis_y}">{c}</text>')
         for r in range(0, self.rows, self.row_step):
             out.append(f'<text class="a" x="{MARGIN / 2:g}" y="{self.top + (r + 0.5) * self.cell_h + 3:g}">{r}</text>')
-        out.append('<g id="cells">' + "".join(self.cells) + "</g>")
+        out.append('<g id="cells">' + "".join(f'<path class="{css_class}" d="{"".join(rects)}"/>'
+                                              for css_class, rects in self.cells.items())
+                   + "".join(_label_line(y, labels) for y, labels in self.labels.items()) + "</g>")
         x = 4
         for css_class, text in self.legend:
             out.append(f'<rect class="{css_class}" x="{x}" y="{legend_top}" width="10" height="10"/>'
@@ -81,6 +87,11 @@ class _Picture:
             x += 20 + 7 * len(text)
         out.append("</svg>")
         return "\n".join(out) + "\n"
+
+
+def _label_line(y: float, labels: list[tuple[float, str]]) -> str:
+    """One line of cell labels: one <text>, a <tspan> per label."""
+    return f'<text y="{y:g}">' + "".join(f'<tspan x="{x:g}">{escape(text)}</tspan>' for x, text in labels) + "</text>"
 
 
 def _made_at(record: Record) -> str:
@@ -124,15 +135,13 @@ def _operand_extent(mma: Mma, operand: str) -> tuple[int, int]:
     return {"A": (m, k), "B": (n, k), "C": (m, n)}[operand]
 
 
-def tv_svg(mma: Mma, operand: str, max_extent: int = 16) -> str:
-    """The operand over one MMA atom's extent (at most max_extent square): the atom's pattern,
-    which the tiled MMA repeats over warps and tiles."""
+def tv_svg(mma: Mma, operand: str, max_rows: int = 16, max_cols: int = 8) -> str:
+    """The operand's first max_rows x max_cols: one warp's 16 x 8 block of the m16n8k16 and
+    wgmma layouts, which repeat it over values, warps and tiles."""
     tv = mma.tv[operand]
     rows, cols = _operand_extent(mma, operand)
     owners = tv_owners(tv, rows, cols)
-    m, n, k = mma.atom_mnk
-    atom_rows, atom_cols = {"A": (m, k), "B": (n, k), "C": (m, n)}[operand]
-    shown_rows, shown_cols = min(rows, atom_rows, max_extent), min(cols, atom_cols, max_extent)
+    shown_rows, shown_cols = min(rows, max_rows), min(cols, max_cols)
     row_name, col_name = OPERANDS[operand]
     title = [
         f"{mma.name}: operand {operand} ({row_name} x {col_name} = {rows} x {cols} per tiled-MMA tile),"
