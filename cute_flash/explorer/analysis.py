@@ -42,9 +42,9 @@ def access_bytes(partition: Partition) -> int:
 
 def partition_conflicts(partition: Partition) -> Conflicts | None:
     """Bank conflicts of a tiled copy on its shared-memory tensor; None when the copy's tile is
-    not a contiguous block of the tensor (the explorer does not model that)."""
+    not a contiguous block of the tensor or larger than it (the explorer does not model that)."""
     copy, tensor = partition.copy, partition.tensor
-    if copy.tiler is None or tensor.layout.rank < 2:
+    if copy.tiler is None or tensor.layout.rank < 2 or any(t > s for t, s in zip(copy.tiler, tensor.shape)):
         return None
     tv, values = copy_side(partition)
     return conflicts_of(partition_phases(tv, copy.tiler, tensor.addresses, access_bytes(partition), values))

@@ -13,7 +13,8 @@ shows what the kernel builds, where, with no copy of the kernel's arguments and 
 
 DSL objects live only as long as their trace, so everything is turned into plain data
 (algebra.Layout and the records below) while it runs; every layout so turned is checked against
-the DSL's own evaluation at sampled coordinates.
+the DSL's own evaluation at sampled coordinates. The wrappers are installed process-wide for the
+trace: one trace at a time per process (as for the DSL's compile settings).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import numpy as np
 from cutlass.cute import atom as cute_atom
 from cutlass.cute.nvgpu import cpasync
 
-from .algebra import Layout, Swizzle, flatten
+from .algebra import Layout, Swizzle, flatten, product
 
 KERNELS_DIR = Path(__import__("cute_flash.kernels", fromlist=["_"]).__file__).resolve().parent
 # Sites are shown relative to the folder that holds `kernels/`: kernels/sm80/fwd.py.
@@ -108,7 +109,6 @@ class SmemTensor(Record):
 @dataclass
 class Mma(Record):
     op: str
-    description: str
     atom_mnk: tuple
     atom_threads: int
     threads: int
@@ -342,7 +342,7 @@ def _copy(tiled_copy, name: str, sites) -> Copy:
 
 def _mma(tiled_mma, name: str, sites) -> Mma:
     return Mma(
-        name, sites, _op_text(tiled_mma.op), str(tiled_mma.op).strip(), tuple(tiled_mma.shape_mnk),
+        name, sites, _op_text(tiled_mma.op), tuple(tiled_mma.shape_mnk),
         cute.size(tiled_mma.thr_id), tiled_mma.size, tuple(tiled_mma.get_tile_size(i) for i in range(3)),
         str(tiled_mma.thr_layout_vmnk), str(tiled_mma.permutation_mnk),
         {"A": plain_layout(tiled_mma.tv_layout_A_tiled), "B": plain_layout(tiled_mma.tv_layout_B_tiled),
@@ -538,7 +538,7 @@ def record(kernel, fake_args: tuple, arch: str) -> KernelLayouts:
 
         def launch(self, **settings):
             result = self.launcher.launch(**settings)
-            out.threads = int(product_of(settings["block"]))
+            out.threads = product(int(v) for v in settings["block"])
             named: dict[int, list[str]] = {}
             for name, value in self.bound.items():
                 known = recorder.by_object.get(id(value))
@@ -564,10 +564,3 @@ def record(kernel, fake_args: tuple, arch: str) -> KernelLayouts:
     if not out.threads:
         raise ExplorerError(f"{out.kernel}: the trace reached no kernel launch")
     return out
-
-
-def product_of(values) -> int:
-    total = 1
-    for v in values:
-        total *= int(v)
-    return total

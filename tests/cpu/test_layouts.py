@@ -193,6 +193,22 @@ def test_sm80_backward_numbers_are_the_kernels():
     assert all(partition_conflicts(p).free for p in layouts.partitions)
 
 
+def test_the_explorer_follows_the_kernels_own_builders(monkeypatch):
+    """The layouts come from the kernel's code, not a copy: with the swizzle taken out of the
+    sm80 forward's smem atom, the explorer reports ldmatrix's 8-way conflicts."""
+    import cute_flash.kernels.sm80.fwd as sm80_fwd
+
+    def unswizzled_atom(dtype, k_dim):
+        return cute.make_composed_layout(cute.make_swizzle(0, 3, 3), 0, cute.make_layout((8, 64), stride=(64, 1)))
+
+    monkeypatch.setattr(sm80_fwd, "smem_layout_atom", unswizzled_atom)
+    _plan, explored = recorded("fwd", "sm_80", 128)
+    copies = {p.name: partition_conflicts(p) for p in explored.layouts.partitions}
+    assert copies["smem_thr_copy_Q.partition_S(sQ)"].worst == 8
+    assert copies["gmem_thr_copy.partition_D(sQ)"].free  # whole 128-byte lines: no swizzle needed
+    assert core_matrix_conflicts(by_name(explored.layouts.smem_tensors, "sQ")).worst == 8
+
+
 # ----------------------------------------------------------------------------- pictures
 
 
