@@ -124,9 +124,10 @@ class Layout:
         return self.swizzle(offset) if self.swizzle is not None else offset
 
     def unit_stride_mode(self) -> int | None:
-        """The first top-level mode that holds a stride-1 sub-mode (the contiguous one)."""
-        for mode, stride in enumerate(self.stride):
-            if 1 in flatten(stride):
+        """The first top-level mode that holds a stride-1 sub-mode of more than one element
+        (the contiguous one)."""
+        for mode, (sizes, strides) in enumerate(self._modes):
+            if any(d == 1 and s > 1 for s, d in zip(sizes, strides)):
                 return mode
         return None
 

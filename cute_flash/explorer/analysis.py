@@ -1,5 +1,5 @@
 """What the explorer derives from a kernel's recorded layouts: bank conflicts, TMA boxes, the
-builder behind each shared-memory tensor. Plain Python over record.py's records."""
+builder behind each shared-memory tensor. Host-side arithmetic over record.py's records."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def tma_box(tma: Tma) -> tuple[int, int]:
     inner = 1
     if mode is not None:
         for size, stride in zip(flatten(layout.shape[mode]), flatten(layout.stride[mode])):
-            if stride == 1:
+            if stride == 1 and size > 1:
                 inner = size
                 break
     return inner, tma.box_elems // inner

@@ -194,8 +194,10 @@ def copy_svg(copy: Copy, side: str, max_rows: int = 32, max_cols: int = 64) -> s
         f"cell: one thread's {access}-byte access; colour: which of its warp's phases"
         f" ({per_phase} threads each) the thread belongs to",
     ]
-    picture = _Picture(title, shown_rows, shown_cols, 28 if down else 7, 7 if down else 14, "row", "column",
-                       col_step=1 if down else 8, row_step=8 if down else 1)
+    # Elements small enough for long tiles, accesses wide (or tall) enough for their label.
+    element = max(7, -(-28 // values))
+    picture = _Picture(title, shown_rows, shown_cols, 28 if down else element, element if down else 14, "row",
+                       "column", col_step=1 if down else max(1, 56 // element), row_step=max(1, 56 // element) if down else 1)
     phases = max(1, 32 // per_phase)
     for phase in range(phases):
         picture.legend.append((picture.style(f"p{phase}", _hue(phase, phases)), f"phase {phase}"))
