@@ -25,8 +25,8 @@ def _wrap(items: list[str], width: int = 100, indent: str = "  ") -> list[str]:
 
 
 class _Report:
-    def __init__(self, layouts: KernelLayouts, with_lines: bool):
-        self.layouts, self.with_lines = layouts, with_lines
+    def __init__(self, with_lines: bool):
+        self.with_lines = with_lines
         self.lines: list[str] = []
 
     def at(self, record: Record) -> str:
@@ -51,8 +51,8 @@ def report(title: str, settings: dict, layouts: KernelLayouts, kernel_smem_estim
     """`title` names the variant; `settings` is the kernel's configuration; the kernel's own
     shared-memory estimate, the sm90 register split and a compile report (registers, spills)
     are shown when given. `with_lines`: give source positions as file:line (else file:function)."""
-    r = _Report(layouts, with_lines)
-    r.add(title, f"kernel {layouts.kernel}, compiled for {layouts.arch}")
+    r = _Report(with_lines)
+    r.add(title, f"kernel {layouts.kernel}, traced for {layouts.arch}")
     r.add(*_wrap([f"{k}={getattr(v, '__name__', v)}" for k, v in sorted(settings.items())]))
     r.add("Source positions are file:line function, innermost first, as the trace met them."
           if with_lines else "Source positions are file: function, innermost first.")
