@@ -1,4 +1,4 @@
-"""`cute-flash` command line: info, check, warmup, bench, dashboard."""
+"""`cute-flash` command line: info, check, warmup, layouts, bench, dashboard."""
 
 from __future__ import annotations
 
@@ -357,6 +357,45 @@ def cmd_info(args) -> int:
     return 0
 
 
+def length_arg(text: str) -> str:
+    """A length class of cute_flash.dispatch (an argparse type)."""
+    from .dispatch import LENGTH_CLASSES
+
+    if text not in LENGTH_CLASSES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a length class; use one of {', '.join(LENGTH_CLASSES)}")
+    return text
+
+
+def cmd_layouts(args) -> int:
+    """Print what the kernels dispatch picks for one variant build (docs/layouts.md), draw it
+    with --svg; or, with --docs, regenerate the reports and pictures the docs embed."""
+    from pathlib import Path
+
+    from . import explorer
+    from .errors import CuteFlashError
+
+    if args.docs:
+        written = explorer.write_docs(Path(args.docs))
+        print(f"{len(written)} files written under {args.docs}")
+        return 0
+    try:
+        plans = explorer.kernel_plans(args.arch, args.pass_name, args.dtype, args.head_dim, args.causal, args.length,
+                                      args.num_sms, args.gqa, args.deterministic)
+    except CuteFlashError as exc:
+        raise UsageError(str(exc)) from None
+    for label, plan in plans:
+        explored = explorer.explore(label, plan, compile_kernel=args.compile)
+        print(explored.text)
+        drawn = explorer.pictures(explored.layouts) if args.svg else {}
+        if drawn:
+            folder = Path(args.svg) / explored.layouts.kernel
+            folder.mkdir(parents=True, exist_ok=True)
+            for name, svg in drawn.items():
+                (folder / name).write_text(svg)
+            print(f"{len(drawn)} pictures in {folder}\n")
+    return 0
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cute-flash", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -379,6 +418,22 @@ def build_parser() -> ArgumentParser:
                        help="fwd, bwd or fwd,bwd (the backward kernels are the sm80 family's)")
         if name == "warmup":
             p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
+    p = sub.add_parser("layouts", help="the layouts, atoms and copies a dispatched kernel builds (docs/layouts.md)")
+    p.add_argument("--arch", type=arch_arg, default="sm_90a", help="compile target (default: sm_90a)")
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="bf16 (default) or fp16")
+    p.add_argument("--head-dim", type=head_dim_arg, default=128, help="a multiple of 8 up to 256 (default: 128)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--pass", dest="pass_name", type=pass_arg, default="fwd", help="fwd (default) or bwd")
+    p.add_argument("--length", type=length_arg, default="long",
+                   help="the forward's length class: short_512, short, short_2k, mid (causal), long (default)")
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="SMs the persistent Hopper kernels are sized for (default: the visible GPU's, else 132)")
+    p.add_argument("--gqa", action="store_true", help="the grouped-query backward")
+    p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
+    p.add_argument("--svg", metavar="DIR", help="also draw the layouts, into DIR/<kernel class>/")
+    p.add_argument("--compile", action="store_true", help="also compile: ptxas's registers and spills")
+    p.add_argument("--docs", metavar="DIR", help="regenerate the reports and pictures docs/layouts.md embeds "
+                                                 "(cute-flash layouts --docs docs/layouts) and nothing else")
     sub.add_parser("bench", help="run a benchmark suite (see cute-flash bench --help)")
     sub.add_parser("dashboard", help="render benchmark results into plots (see cute-flash dashboard --help)")
     return parser
@@ -394,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup}[args.command](args)
+        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup, "layouts": cmd_layouts}[args.command](args)
     except UsageError as exc:
         print(f"cute-flash {args.command}: error: {exc}", file=sys.stderr)
         return 2
