@@ -324,6 +324,15 @@ def link_library(out_dir: Path, build_dir: Path, runtime: str = "shared", cc: st
     if shutil.which(cc) is None:
         raise ExportError(f"no C compiler {cc!r} on PATH (set CC or pass --cc)")
     libdir = dsl_library_dir()
+    if runtime == "shared":
+        runtime_args = ["-L", out_dir, "-lcute_dsl_runtime", "-Wl,-rpath,$ORIGIN"]
+    elif runtime == "static":
+        cudart_static = cudart_static or find_static_cudart()
+        if cudart_static is None:
+            raise ExportError("--runtime static needs libcudart_static.a: set CUDA_HOME or pass --cudart-static")
+        runtime_args = [libdir / STATIC_RUNTIME, cudart_static, "-ldl", "-lrt"]
+    else:
+        raise ExportError(f"unknown runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
     objects = []
     for source in (C_ABI_DIR / "cuflash.c", build_dir / "cuflash_kernels.c"):
         obj = build_dir / f"{source.stem}.o"
@@ -334,14 +343,6 @@ def link_library(out_dir: Path, build_dir: Path, runtime: str = "shared", cc: st
     exports.write_text("{ global: cuflash_*; local: *; };\n")  # the kernels' DSL symbols stay inside
     if runtime == "shared":
         shutil.copy2(libdir / SHARED_RUNTIME, out_dir / SHARED_RUNTIME)
-        runtime_args = ["-L", out_dir, "-lcute_dsl_runtime", "-Wl,-rpath,$ORIGIN"]
-    elif runtime == "static":
-        cudart_static = cudart_static or find_static_cudart()
-        if cudart_static is None:
-            raise ExportError("--runtime static needs libcudart_static.a: set CUDA_HOME or pass --cudart-static")
-        runtime_args = [libdir / STATIC_RUNTIME, cudart_static, "-ldl", "-lrt"]
-    else:
-        raise ExportError(f"unknown runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
     library = out_dir / LIBRARY
     _run([cc, "-shared", "-o", library, *objects, *runtime_args, "-lpthread", "-lm", f"-Wl,-soname,{LIBRARY}",
           f"-Wl,--version-script={exports}", "-Wl,--no-undefined"])
