@@ -59,6 +59,12 @@ def test_the_header_carries_the_python_error_codes():
     assert export.abi_version() == 1
 
 
+def test_the_api_doc_shows_the_header_as_shipped():
+    doc = (export.C_ABI_DIR.parents[1] / "docs" / "api.md").read_text()
+    blocks = re.findall(r"```c\n(.*?)```", doc, re.S)
+    assert (export.C_ABI_DIR / export.HEADER).read_text() in blocks
+
+
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 def test_the_header_is_plain_c_and_cxx_with_c_linkage(tmp_path):
     source = tmp_path / "use.cc"
