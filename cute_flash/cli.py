@@ -362,18 +362,22 @@ CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
 
 def cmd_export(args) -> int:
     """Build a shared library and C header (docs/api.md, "C ABI") from the chosen variants."""
+    from .errors import CuteFlashError
     from .export import ExportError, export_library, kernel_jobs
 
     arch = args.arch or _this_gpus_target()
     causals = CAUSAL_CHOICES[args.causal]
-    kernels = len(kernel_jobs(arch, args.dtypes, args.head_dims, causals, args.passes)[0])
-    print(f"export: {kernels} kernels for {arch} in {min(args.jobs, kernels)} processes", file=sys.stderr, flush=True)
-    progress = Progress("export", kernels)
+    progress = None
     try:
+        kernels = len(kernel_jobs(arch, args.dtypes, args.head_dims, causals, args.passes)[0])
+        print(f"export: {kernels} kernels for {arch} in {min(args.jobs, kernels)} processes", file=sys.stderr,
+              flush=True)
+        progress = Progress("export", kernels)
         done = export_library(args.out, arch, args.dtypes, args.head_dims, causals, args.passes, args.runtime,
                               args.jobs, args.cc, args.cudart_static, progress=progress.advance)
-    except ExportError as exc:
-        progress.clear()
+    except (ExportError, CuteFlashError) as exc:
+        if progress is not None:
+            progress.clear()
         print(f"cute-flash export: error: {exc}", file=sys.stderr)
         return 1
     progress.clear()

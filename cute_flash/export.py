@@ -212,11 +212,21 @@ def check_dsl_header(header: str, prefix: str, arguments: tuple[str, ...]) -> st
     return launcher[1]
 
 
+def _exported(job: KernelJob, export) -> ExportedKernel:
+    """`export()`, with a failed compile named by its kernel."""
+    try:
+        return export()
+    except ExportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 (the DSL raises many kinds; the kernel's name matters most)
+        raise ExportError(f"{job.label}: compile failed: {type(exc).__name__}: {exc}") from exc
+
+
 def _export_all(arch: str, jobs: list[KernelJob], build_dir: Path, workers: int, progress) -> dict[str, ExportedKernel]:
+    done = {}
     if workers <= 1 or len(jobs) <= 1:
-        done = {}
         for job in jobs:
-            done[job.prefix] = export_kernel(arch, job, str(build_dir))
+            done[job.prefix] = _exported(job, lambda: export_kernel(arch, job, str(build_dir)))
             progress(job.label)
         return done
     import multiprocessing
@@ -225,11 +235,11 @@ def _export_all(arch: str, jobs: list[KernelJob], build_dir: Path, workers: int,
     # The DSL's compiler state does not survive fork(); start clean interpreters.
     with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(export_kernel, arch, job, str(build_dir)): job for job in jobs}
-        done = {}
         for future in as_completed(futures):
-            done[futures[future].prefix] = future.result()
-            progress(futures[future].label)
-        return done
+            job = futures[future]
+            done[job.prefix] = _exported(job, future.result)
+            progress(job.label)
+    return done
 
 
 # ----------------------------------------------------------------------------- the kernel table
@@ -316,23 +326,31 @@ def _run(argv: list) -> str:
     return result.stdout
 
 
+def _compiler(cc: str | None) -> str:
+    cc = cc or os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise ExportError(f"no C compiler {cc!r} on PATH (set CC or pass --cc)")
+    return cc
+
+
+def _runtime_arguments(runtime: str, out_dir: Path, cudart_static: Path | None) -> list:
+    """The linker's arguments for the DSL's runtime."""
+    if runtime == "shared":
+        return ["-L", out_dir, "-lcute_dsl_runtime", "-Wl,-rpath,$ORIGIN"]
+    if runtime == "static":
+        cudart_static = cudart_static or find_static_cudart()
+        if cudart_static is None:
+            raise ExportError("--runtime static needs libcudart_static.a: set CUDA_HOME or pass --cudart-static")
+        return [dsl_library_dir() / STATIC_RUNTIME, cudart_static, "-ldl", "-lrt"]
+    raise ExportError(f"unknown runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+
+
 def link_library(out_dir: Path, build_dir: Path, runtime: str = "shared", cc: str | None = None,
                  cudart_static: Path | None = None) -> Path:
     """Compile the shim and the kernel table of `build_dir` and link them with its kernel objects
     into out_dir/libcute_flash.so, with the DSL's runtime as `runtime` says."""
-    cc = cc or os.environ.get("CC") or "cc"
-    if shutil.which(cc) is None:
-        raise ExportError(f"no C compiler {cc!r} on PATH (set CC or pass --cc)")
-    libdir = dsl_library_dir()
-    if runtime == "shared":
-        runtime_args = ["-L", out_dir, "-lcute_dsl_runtime", "-Wl,-rpath,$ORIGIN"]
-    elif runtime == "static":
-        cudart_static = cudart_static or find_static_cudart()
-        if cudart_static is None:
-            raise ExportError("--runtime static needs libcudart_static.a: set CUDA_HOME or pass --cudart-static")
-        runtime_args = [libdir / STATIC_RUNTIME, cudart_static, "-ldl", "-lrt"]
-    else:
-        raise ExportError(f"unknown runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
+    cc = _compiler(cc)
+    runtime_args = _runtime_arguments(runtime, out_dir, cudart_static)
     objects = []
     for source in (C_ABI_DIR / "cuflash.c", build_dir / "cuflash_kernels.c"):
         obj = build_dir / f"{source.stem}.o"
@@ -342,7 +360,7 @@ def link_library(out_dir: Path, build_dir: Path, runtime: str = "shared", cc: st
     exports = build_dir / "exports.map"
     exports.write_text("{ global: cuflash_*; local: *; };\n")  # the kernels' DSL symbols stay inside
     if runtime == "shared":
-        shutil.copy2(libdir / SHARED_RUNTIME, out_dir / SHARED_RUNTIME)
+        shutil.copy2(dsl_library_dir() / SHARED_RUNTIME, out_dir / SHARED_RUNTIME)
     library = out_dir / LIBRARY
     _run([cc, "-shared", "-o", library, *objects, *runtime_args, "-lpthread", "-lm", f"-Wl,-soname,{LIBRARY}",
           f"-Wl,--version-script={exports}", "-Wl,--no-undefined"])
@@ -361,6 +379,9 @@ def export_library(out_dir, arch: str, dtypes, head_dims, causals=(False, True),
     names ("bfloat16", "float16")."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
+    # What the link needs is checked before minutes of compiling.
+    _compiler(cc)
+    _runtime_arguments(runtime, out_dir, cudart_static)
     build_dir = out_dir / "build"
     if build_dir.exists():
         shutil.rmtree(build_dir)  # objects of an earlier export would be linked too

@@ -324,12 +324,15 @@ def test_the_backward_takes_no_grouped_heads(fake):
 # ----------------------------------------------------------------------------- a real export
 
 
+EXPORT_ONE = ["export", "--arch", "sm_80", "--dtypes", "bf16", "--head-dims", "64", "--causal", "no", "--passes",
+              "fwd", "--jobs", "1"]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """`cute-flash export` of one forward variant (bf16, d64, non-causal) for sm_80."""
     out = tmp_path_factory.mktemp("export")
-    assert cli.main(["export", "--arch", "sm_80", "--dtypes", "bf16", "--head-dims", "64", "--causal", "no",
-                     "--passes", "fwd", "--jobs", "1", "-o", str(out)]) == 0
+    assert cli.main(EXPORT_ONE + ["-o", str(out)]) == 0
     return out
 
 
@@ -453,8 +456,22 @@ def test_export_usage_errors_are_one_line(capsys, argv, words):
     assert exit_.value.code == 2 and words in err and len(err.strip().splitlines()) == 1
 
 
-def test_static_linking_needs_a_static_cuda_runtime(exported, tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra, words", [
+    (["--cc", "no-such-cc"], "no C compiler 'no-such-cc' on PATH"),
+    (["--runtime", "static"], "--runtime static needs libcudart_static.a"),
+])
+def test_what_the_link_needs_is_checked_before_compiling(tmp_path, monkeypatch, capsys, extra, words):
     monkeypatch.setattr(export, "find_static_cudart", lambda: None)
-    with pytest.raises(export.ExportError, match="libcudart_static.a"):
-        export.link_library(tmp_path, exported / "build", "static")
+    monkeypatch.setattr(export, "export_kernel", lambda *args: pytest.fail("compiled before the check"))
+    assert cli.main(EXPORT_ONE + extra + ["-o", str(tmp_path)]) == 1
+    assert f"cute-flash export: error: {words}" in capsys.readouterr().err
+
+
+def test_a_failed_compile_names_its_kernel(tmp_path, monkeypatch, capsys):
+    def broken(arch, job, build_dir):
+        raise RuntimeError("ptxas died")
+
+    monkeypatch.setattr(export, "export_kernel", broken)
+    assert cli.main(EXPORT_ONE + ["-o", str(tmp_path)]) == 1
+    assert "cute-flash export: error: fwd/bf16/d64/full: compile failed: RuntimeError: ptxas died" in capsys.readouterr().err
 
