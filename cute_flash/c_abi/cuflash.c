@@ -211,8 +211,9 @@ static int load(cf_kernel *kernel, int device) {
     if (kernel->library == NULL) {
         void *init_args[2] = {&library_slot, &error};
         kernel->init(init_args);
+        if (error != 0) kernel->library = NULL; /* retried on the next call */
     }
-    if (error == 0) {
+    if (error == 0 && !(kernel->loaded_devices & bit)) { /* another thread may have loaded it meanwhile */
         void *load_args[3] = {&library_slot, &device_id, &error};
         kernel->load_to_device(load_args);
     }
