@@ -1,12 +1,14 @@
 /* A C program calling the library `cute-flash export` builds: forward and backward of causal
  * bf16 attention on [B, H, N, D] tensors, checked against a float64 computation on the CPU. It
- * needs only the CUDA driver API (cuda.h, libcuda) besides the library.
+ * needs only the CUDA driver API (cuda.h, libcuda) besides the library. `./c_example FOLDER` also
+ * writes inputs and results there as raw arrays (Q.bin, ..., dV.bin: bf16 [B, H, N, D]; L.bin:
+ * float32 [B, H, N]).
  *
  *   cute-flash export --arch sm_90a --dtypes bf16 --head-dims 64 -o build/cute-flash-c
  *   cc -O2 examples/c_example.c -I build/cute-flash-c -L build/cute-flash-c -lcute_flash \
  *      -Wl,-rpath,build/cute-flash-c -I /usr/local/cuda/include -L /usr/local/cuda/lib64/stubs -lcuda -lm \
  *      -o c_example
- *   ./c_example
+ *   ./c_example [FOLDER]
  *
  * Exit status 0 when every result is within its error bound. */
 #include <cuda.h>
@@ -71,13 +73,27 @@ static CUdeviceptr upload(const void *host, size_t bytes) {
     return device;
 }
 
-static double *download_bf16(CUdeviceptr device) {
+static uint16_t *download(CUdeviceptr device) {
     uint16_t *host = malloc(ELEMENTS * sizeof *host);
-    double *values = malloc(ELEMENTS * sizeof *values);
     CHECK_CU(cuMemcpyDtoH(host, device, ELEMENTS * sizeof *host));
-    for (size_t i = 0; i < ELEMENTS; i++) values[i] = from_bf16(host[i]);
-    free(host);
+    return host;
+}
+
+static double *widen(const uint16_t *bf16) {
+    double *values = malloc(ELEMENTS * sizeof *values);
+    for (size_t i = 0; i < ELEMENTS; i++) values[i] = from_bf16(bf16[i]);
     return values;
+}
+
+/* Raw arrays for checking elsewhere: bf16 [B, H, N, D], or float32 [B, H, N] for L. */
+static void save(const char *folder, const char *name, const void *data, size_t bytes) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s.bin", folder, name);
+    FILE *file = fopen(path, "wb");
+    if (file == NULL || fwrite(data, 1, bytes, file) != bytes || fclose(file) != 0) {
+        fprintf(stderr, "cannot write %s\n", path);
+        exit(1);
+    }
 }
 
 /* Attention of one (batch, head) in float64: O, L and, from dO, the gradients (FlashAttention-2's
@@ -131,7 +147,7 @@ static double relative_error(const double *got, const double *want, size_t count
     return error / (scale > 0.0 ? scale : 1.0);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     printf("%s", cuflash_build_info());
     /* The library takes the caller's current device and a stream of it. */
     CUdevice device;
@@ -164,15 +180,20 @@ int main(void) {
                                             scale, CAUSAL, stream);
     printf("f32: %d (%s)\n", f32, cuflash_error_string(f32));
 
-    double *got[4] = {download_bf16(out), download_bf16(dq), download_bf16(dk), download_bf16(dv)};
+    uint16_t *results[4] = {download(out), download(dq), download(dk), download(dv)};
+    double *got[4] = {widen(results[0]), widen(results[1]), widen(results[2]), widen(results[3])};
     float *got_lse = malloc(ROWS * sizeof *got_lse);
     CHECK_CU(cuMemcpyDtoH(got_lse, lse, ROWS * sizeof *got_lse));
+    if (argc > 1) {
+        const char *names[8] = {"Q", "K", "V", "dO", "O", "dQ", "dK", "dV"};
+        for (int t = 0; t < 8; t++) save(argv[1], names[t], t < 4 ? host[t] : results[t - 4], bytes);
+        save(argv[1], "L", got_lse, ROWS * sizeof *got_lse);
+    }
 
     double *in[4], *want[4], *want_lse = malloc(ROWS * sizeof *want_lse);
     for (int t = 0; t < 4; t++) {
-        in[t] = malloc(ELEMENTS * sizeof **in);
+        in[t] = widen(host[t]);
         want[t] = malloc(ELEMENTS * sizeof **want);
-        for (size_t i = 0; i < ELEMENTS; i++) in[t][i] = from_bf16(host[t][i]);
     }
     for (size_t bh = 0; bh < (size_t)B * H; bh++) {
         size_t at = bh * N * D;

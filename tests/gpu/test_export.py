@@ -155,10 +155,23 @@ def test_the_c_example(exported, tmp_path):
                             "-I", root / "include", *driver, "-lm", "-o", tmp_path / "c_example"],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
-    run = subprocess.run([tmp_path / "c_example"], capture_output=True, text=True, timeout=120)
+    arrays = tmp_path / "arrays"
+    arrays.mkdir()
+    run = subprocess.run([tmp_path / "c_example", arrays], capture_output=True, text=True, timeout=120)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "f32: 7 (unsupported dtype)" in run.stdout and run.stdout.rstrip().endswith("ok")
+
+    # What the program computed, against float64 attention (the sizes are the example's).
+    def load(name, dtype, shape):
+        data = bytearray((arrays / f"{name}.bin").read_bytes())
+        return torch.frombuffer(data, dtype=dtype).view(shape).cuda()
+
+    q, k, v, dout, out, dq, dk, dv = (load(name, torch.bfloat16, (2, 3, 200, 64)).transpose(1, 2)
+                                      for name in ("Q", "K", "V", "dO", "O", "dQ", "dK", "dV"))
+    lse = load("L", torch.float32, (2, 3, 200))
+    assert_forward_close(out, lse, q, k, v, causal=True)
+    assert_grads_close((dq, dk, dv), q, k, v, dout, True)
 
 
 def run_ctypes_example(library: Path):
