@@ -13,7 +13,8 @@ into `libcute_flash.so`.
 
 The library uses the sm80 kernel family on every target: the Hopper forward takes per-call
 workspaces and a tail-split plan made by Python (cute_flash/launchers.py), which the C library
-does not reproduce. The sm80 kernels compiled for sm_90a run on the H100 at their own speed.
+does not reproduce. The sm80 kernels compiled for sm_90a run on the H100, slower than the Hopper
+forward.
 
 CUDA comes from the DSL's runtime library, one of:
 - "shared" (default): libcute_dsl_runtime.so, copied next to the library (found through
