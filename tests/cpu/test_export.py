@@ -158,8 +158,10 @@ class FakeLibrary:
 
     def __init__(self, folder):
         (folder / "fake.c").write_text(FAKE)
-        compile_c("-shared", "-fPIC", "-I", export.C_ABI_DIR, export.C_ABI_DIR / "cuflash.c", "fake.c", "-o",
-                  "libfake.so", "-lpthread", "-lm", cwd=folder)
+        # -Bsymbolic: the shim calls these fakes even where the process has loaded the DSL's runtime,
+        # which defines the same symbols.
+        compile_c("-shared", "-fPIC", "-Wl,-Bsymbolic", "-I", export.C_ABI_DIR, export.C_ABI_DIR / "cuflash.c",
+                  "fake.c", "-o", "libfake.so", "-lpthread", "-lm", cwd=folder)
         self.lib = declare(ctypes.CDLL(str(folder / "libfake.so")))
 
     def __getattr__(self, name):
