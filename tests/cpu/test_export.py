@@ -338,6 +338,7 @@ def exported(tmp_path_factory):
     return out
 
 
+@pytest.mark.skipif(shutil.which("nm") is None or shutil.which("readelf") is None, reason="no binutils (nm, readelf)")
 def test_the_library_exports_the_c_abi_only_and_needs_no_cuda_toolkit_or_python(exported):
     symbols = subprocess.run(["nm", "-D", "--defined-only", exported / export.LIBRARY], capture_output=True,
                              text=True, check=True).stdout.split()
