@@ -320,6 +320,20 @@ def find_static_cudart() -> Path | None:
     return None
 
 
+def _cuda_major(folder_name: str) -> int | None:
+    """12 for the DSL's runtime folder 'cu12'."""
+    match = re.fullmatch(r"cu(\d+)", folder_name)
+    return int(match[1]) if match else None
+
+
+def _toolkit_cuda_major(cudart_static: Path) -> int | None:
+    """The CUDA major version of the toolkit a libcudart_static.a belongs to (CUDART_VERSION in its
+    include/cuda_runtime_api.h), if that header is there."""
+    header = cudart_static.resolve().parent.parent / "include" / "cuda_runtime_api.h"
+    match = re.search(r"#define CUDART_VERSION\s+(\d+)", header.read_text()) if header.is_file() else None
+    return int(match[1]) // 1000 if match else None
+
+
 def _run(argv: list) -> str:
     result = subprocess.run([str(a) for a in argv], capture_output=True, text=True)
     if result.returncode != 0:
@@ -342,7 +356,12 @@ def _runtime_arguments(runtime: str, out_dir: Path, cudart_static: Path | None) 
         cudart_static = cudart_static or find_static_cudart()
         if cudart_static is None:
             raise ExportError("--runtime static needs libcudart_static.a: set CUDA_HOME or pass --cudart-static")
-        return [dsl_library_dir() / STATIC_RUNTIME, cudart_static, "-ldl", "-lrt"]
+        libdir = dsl_library_dir()
+        wanted, found = _cuda_major(libdir.parent.name), _toolkit_cuda_major(cudart_static)
+        if wanted is not None and found is not None and wanted != found:
+            raise ExportError(f"{cudart_static} is CUDA {found}'s, the DSL's runtime ({libdir}) was built for CUDA "
+                              f"{wanted}: pass the static CUDA runtime of a CUDA {wanted} toolkit, or --runtime shared")
+        return [libdir / STATIC_RUNTIME, cudart_static, "-ldl", "-lrt"]
     raise ExportError(f"unknown runtime {runtime!r}: use one of {', '.join(RUNTIMES)}")
 
 

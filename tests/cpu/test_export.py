@@ -470,6 +470,22 @@ def test_what_the_link_needs_is_checked_before_compiling(tmp_path, monkeypatch, 
     assert f"cute-flash export: error: {words}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("version, fits", [(12080, True), (13000, False)])
+def test_the_static_cuda_runtime_must_match_the_dsl_runtimes_cuda(tmp_path, monkeypatch, version, fits):
+    toolkit = tmp_path / "cuda"
+    (toolkit / "include").mkdir(parents=True)
+    (toolkit / "lib64").mkdir()
+    (toolkit / "include" / "cuda_runtime_api.h").write_text(f"#define CUDART_VERSION  {version}\n")
+    (toolkit / "lib64" / "libcudart_static.a").write_bytes(b"")
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    monkeypatch.setattr(export, "dsl_library_dir", lambda: tmp_path / "cu12" / "lib")
+    if fits:
+        assert toolkit / "lib64" / "libcudart_static.a" in export._runtime_arguments("static", tmp_path, None)
+    else:
+        with pytest.raises(export.ExportError, match="is CUDA 13's, the DSL's runtime .* was built for CUDA 12"):
+            export._runtime_arguments("static", tmp_path, None)
+
+
 def test_a_failed_compile_names_its_kernel(tmp_path, monkeypatch, capsys):
     def broken(arch, job, build_dir):
         raise RuntimeError("ptxas died")

@@ -191,7 +191,12 @@ def test_the_statically_linked_runtime(exported, tmp_path):
     a process holds one library of a soname."""
     if export.find_static_cudart() is None:
         pytest.skip("no libcudart_static.a (CUDA_HOME)")
-    library = export.link_library(tmp_path, exported / "build", "static")
+    try:
+        library = export.link_library(tmp_path, exported / "build", "static")
+    except export.ExportError as exc:
+        if "was built for CUDA" in str(exc):
+            pytest.skip(str(exc))
+        raise
     if shutil.which("readelf"):
         dynamic = subprocess.run(["readelf", "-d", library], capture_output=True, text=True, check=True).stdout
         assert "cute_dsl_runtime" not in dynamic and "cudart" not in dynamic
