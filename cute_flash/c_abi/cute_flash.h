@@ -64,8 +64,8 @@ int cuflash_variant_exported(int backward, int dtype, int head_dim, int causal);
 
 /* Forward: O = softmax(scale * Q K^T) V for row-major [B, H, N, D] Q, K, V, O; L = the
  * natural-log logsumexp of each row of scaled scores, float32 [B, H, N]. Causal masking hides key
- * j from query i when j > i. f32 has no kernel: it returns CUFLASH_ERROR_UNSUPPORTED_DTYPE after
- * the argument checks. */
+ * j from query i when j > i. f32 has no kernel: it returns CUFLASH_ERROR_UNSUPPORTED_DTYPE once
+ * its pointers, sizes, scale and causal flag pass their checks. */
 int cuflash_attention_forward_f16(const void *Q, const void *K, const void *V, void *O, float *L,
                                   int batch, int heads, int seq_len, int head_dim, float scale,
                                   int causal, void *stream);
