@@ -51,15 +51,12 @@ def gemm_sm80(
     smem_thr_copy_B,
     tCsA: cute.Tensor | None = None,
     smem_thr_copy_A=None,
-    b_lookahead: cutlass.Constexpr[int] = 0,
 ):
     """acc += A @ B^T with mma.sync, B (and A unless tCsA is None: A already in registers)
     read from smem with ldmatrix just ahead of use.
 
     B is read in ldmatrix chunks (one chunk = one copy tile along N of one k-step, i.e. 16 rows
-    of B feeding two n8 mmas), `b_lookahead` chunks ahead of the mma that consumes them
-    (0: a whole k-step ahead). A small lookahead keeps fewer B fragments alive: that is what
-    lets a 128-row tile with a large accumulator run without spills.
+    of B feeding two n8 mmas), one k-step of chunks ahead of the mma that consumes them.
     """
     tCrB_view = smem_thr_copy_B.retile(tCrB)
     num_k = cute.size(tCsB, mode=[2])
@@ -67,7 +64,7 @@ def gemm_sm80(
     mma_per_chunk = cute.size(tCrB, mode=[1]) // num_chunks
     acc_chunks = cute.logical_divide(acc, (None, None, mma_per_chunk))
     tCrB_chunks = cute.logical_divide(tCrB, (None, mma_per_chunk, None))
-    lookahead = num_chunks if cutlass.const_expr(b_lookahead == 0) else b_lookahead
+    lookahead = num_chunks
     total = num_k * num_chunks
     if cutlass.const_expr(tCsA is not None):
         tCrA_view = smem_thr_copy_A.retile(tCrA)
@@ -97,9 +94,6 @@ class FlashAttnFwdSm80:
         tile_n: int = 64,
         num_warps: int = 4,
         num_stages: int = 2,
-        q_in_regs: bool = False,
-        b_lookahead_qk: int = 0,
-        b_lookahead_pv: int = 0,
     ):
         self.dtype = dtype
         self.head_dim = head_dim
@@ -112,12 +106,9 @@ class FlashAttnFwdSm80:
         self.num_warps = num_warps
         self.num_threads = num_warps * 32
         self.num_stages = num_stages
-        self.q_in_regs = q_in_regs
-        self.b_lookahead_qk = b_lookahead_qk
-        self.b_lookahead_pv = b_lookahead_pv
 
     @staticmethod
-    def smem_bytes(head_dim, tile_m, tile_n, num_stages, q_in_regs=False, **_) -> int:
+    def smem_bytes(head_dim, tile_m, tile_n, num_stages, **_) -> int:
         tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
         q = tile_m * tile_hdim * 2
         kv = 2 * num_stages * tile_n * tile_hdim * 2
@@ -125,14 +116,14 @@ class FlashAttnFwdSm80:
 
     @staticmethod
     def can_implement(dtype, head_dim, causal, tile_m=128, tile_n=64, num_warps=4,
-                      num_stages=2, q_in_regs=False, b_lookahead_qk=0, b_lookahead_pv=0) -> bool:
+                      num_stages=2) -> bool:
         if dtype not in (cutlass.Float16, cutlass.BFloat16):
             return False
         if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
             return False
         if num_stages < 1 or tile_n % 16 != 0 or tile_m % (16 * num_warps) != 0:
             return False
-        smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, q_in_regs)
+        smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages)
         return smem <= SMEM_CAPACITY
 
     @staticmethod
@@ -315,11 +306,6 @@ class FlashAttnFwdSm80:
                 if n_block_first - stage >= n_block_min:
                     load_kv(tVgV, tVsV, n_block_first - stage, stage, False)
                 cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.q_in_regs):
-            # Q waits with the first K; from here on Q is read from registers only
-            cute.arch.cp_async_wait_group(self.num_stages * 2 - 2)
-            cute.arch.barrier()
-            cute.copy(smem_thr_copy_Q, tSsQ, smem_thr_copy_Q.retile(tSrQ))
 
         softmax = OnlineSoftmax.create(
             softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0])
@@ -396,8 +382,7 @@ class FlashAttnFwdSm80:
         # S = Q K^T
         tSsK_cur = tSsK[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
         gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K,
-                  tSsQ if cutlass.const_expr(not self.q_in_regs) else None, smem_thr_copy_Q,
-                  b_lookahead=self.b_lookahead_qk)
+                  tSsQ, smem_thr_copy_Q)
 
         next_write = self._advance(smem_write)
         n_block_k = n_block - stages
@@ -426,8 +411,7 @@ class FlashAttnFwdSm80:
 
         # O += P V
         tOsVt_cur = tOsVt[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
-        gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V,
-                  b_lookahead=self.b_lookahead_pv)
+        gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
 
     @cute.jit
     def _advance(self, stage):

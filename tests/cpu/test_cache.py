@@ -1,9 +1,12 @@
 """The compiled-kernel cache: memory, disk, atomic writes, locking, corruption, second process."""
 
+import hashlib
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,13 +111,72 @@ def test_second_process_loads_without_compiling(cache_dir):
     assert warm["compiled"] == 0 and warm["loaded_from_disk"] == 1
 
 
+def _look_up_after_barrier(barrier, build_seconds, results):
+    """One of several processes: wait for all, then look the kernel up with a build slowed down so
+    that the first compiler still holds the entry's lock when the others ask for it."""
+    build = tiny_kernel.build()
+
+    def slow_build():
+        time.sleep(build_seconds)
+        return build()
+
+    barrier.wait(timeout=300)
+    started = time.time()
+    cache.get_or_compile(tiny_kernel.KEY, slow_build, ARCH)
+    results.put({**cache.stats, "started": started, "finished": time.time()})
+
+
 def test_concurrent_processes_compile_once(cache_dir):
-    env = {**os.environ, "CUTE_FLASH_CACHE_DIR": str(cache_dir)}
-    root = Path(__file__).parents[2]
-    procs = [
-        subprocess.Popen([sys.executable, "-m", "tests.cpu.tiny_kernel"], stdout=subprocess.PIPE, text=True, env=env, cwd=root)
-        for _ in range(3)
-    ]
-    results = [json.loads(p.communicate(timeout=300)[0].strip().splitlines()[-1]) for p in procs]
-    assert sum(r["compiled"] for r in results) == 1
-    assert sum(r["loaded_from_disk"] for r in results) == 2
+    """Three processes ask for one kernel at the same moment: the file lock lets one compile and
+    the others load its entry (without the lock all three would compile). The timestamps prove
+    that every process asked before the first one had finished."""
+    context = multiprocessing.get_context("spawn")  # the DSL does not survive fork()
+    parties, build_seconds = 3, 3.0
+    barrier, results = context.Barrier(parties), context.Queue()
+    processes = [context.Process(target=_look_up_after_barrier, args=(barrier, build_seconds, results))
+                 for _ in range(parties)]
+    for process in processes:
+        process.start()
+    reports = [results.get(timeout=600) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert max(r["started"] for r in reports) < min(r["finished"] for r in reports), "the lookups did not overlap"
+    assert sum(r["compiled"] for r in reports) == 1
+    assert sum(r["loaded_from_disk"] for r in reports) == parties - 1
+
+
+def test_entry_that_fails_to_load_is_rebuilt(cache_dir, counts):
+    """Bytes that match their checksum but do not load (not an object file) count as damaged:
+    the entry is rebuilt, and the rebuilt one loads."""
+    cache.get_or_compile(tiny_kernel.KEY, tiny_kernel.build(), ARCH)
+    (obj,), (meta,) = cache_dir.rglob("*.o"), cache_dir.rglob("*.json")
+    garbage = b"\x7fELF but not an object file" * 64
+    obj.write_bytes(garbage)
+    info = json.loads(meta.read_text())
+    meta.write_text(json.dumps({**info, "sha256": hashlib.sha256(garbage).hexdigest()}))
+    cache.clear_memory()
+    assert cache.get_or_compile(tiny_kernel.KEY, tiny_kernel.build(), ARCH) is not None
+    assert counts == {"compiled": 2, "loaded_from_disk": 0, "rebuilt_corrupt": 1}
+    rebuilt = json.loads(meta.read_text())["sha256"]
+    assert rebuilt == hashlib.sha256(obj.read_bytes()).hexdigest() != hashlib.sha256(garbage).hexdigest()
+    cache.clear_memory()
+    cache.get_or_compile(tiny_kernel.KEY, tiny_kernel.build(), ARCH)
+    assert counts["loaded_from_disk"] == 1 and counts["rebuilt_corrupt"] == 1
+
+
+def test_entry_of_another_key_is_not_served(cache_dir, counts, monkeypatch):
+    """Two keys whose entries share a file name (forced here; a hash collision or a key whose
+    repr changed) are told apart by the key in the sidecar: each lookup gets its own kernel,
+    rebuilding over the other's entry instead of loading it."""
+    monkeypatch.setattr(cache, "entry_name", lambda key: "0" * 32)
+    other_key = tiny_kernel.KEY[:-1] + (32,)
+    cache.get_or_compile(tiny_kernel.KEY, tiny_kernel.build(), ARCH)
+    cache.get_or_compile(other_key, tiny_kernel.build(32), ARCH)
+    assert counts == {"compiled": 2, "loaded_from_disk": 0, "rebuilt_corrupt": 1}
+    (meta,) = cache_dir.rglob("*.json")
+    assert json.loads(meta.read_text())["key"] == repr((ARCH,) + other_key)
+    cache.clear_memory()
+    cache.get_or_compile(other_key, tiny_kernel.build(32), ARCH)
+    cache.get_or_compile(tiny_kernel.KEY, tiny_kernel.build(), ARCH)
+    assert counts == {"compiled": 3, "loaded_from_disk": 1, "rebuilt_corrupt": 2}

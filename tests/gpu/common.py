@@ -1,11 +1,52 @@
-"""Shared pieces of the GPU tests: random inputs, the same-dtype torch attention, error bars."""
+"""Shared pieces of the GPU tests: random inputs, the error yardstick, which kernel served a call,
+and (in one place, to follow the package when it moves) the internal names some tests need.
 
+The yardstick (docs/testing.md). A result is compared with the float64 reference
+(`cute_flash.reference_attention`, plain torch, no kernel code) and so is an emulation of flash
+numerics computed from the same low-precision inputs. The kernel may err by at most MAX_FACTOR
+times the emulation's worst error, measured per row relative to that row's size, and by at most
+RMS_FACTOR times its RMS error, each plus a tiny absolute floor.
+"""
+
+from __future__ import annotations
+
+import contextlib
 import math
+import os
+import sys
+from dataclasses import dataclass
 
 import torch
 
+import cute_flash
 from cute_flash import reference_attention
 from cute_flash.reference import causal_allowed
+
+MAX_FACTOR = 3.0
+"""Kernel vs emulation, worst row-relative error. A correct kernel differs from the emulation only
+in summation order, running-max bookkeeping and approximate exp2/log2, all far below the 16-bit
+roundings that set both errors, so its ratio sits near 1 (a float32 flash loop: about 1/3 of the
+bound, tests/cpu/test_yardstick.py); 3 leaves room for the extreme value of a million draws and
+still fails a dropped key or a stale rescale (scripts/yardstick-demo.py)."""
+
+RMS_FACTOR = 2.0
+"""Kernel vs emulation, RMS error over the whole tensor: an average, so it varies far less than
+the worst element, and a uniform excess (a second rounding of P, fp16 accumulation) shows here first."""
+
+ROW_FLOOR = 2.0 ** -10
+"""Rows are measured against their own largest reference value, but never one below 2^-10 of the
+tensor's largest: a row of (near) zeros, such as one that sees no key, is held to the tensor's scale."""
+
+FORWARD_FLOOR = 1e-6
+BACKWARD_FLOOR = 1e-5
+"""Absolute slack for results the emulation reproduces exactly. The backward's is larger: with a
+single key dS = P * (dP - D) is zero exactly, but dP and D are the same fp32 dot product summed in
+two orders, and their difference (up to ~1e-6 at d256, times K and the scale) is what the kernel writes."""
+
+LSE_TOLERANCE = 1e-5
+"""LSE error relative to 1 + |lse|: ex2/lg2 approximations are not emulated, so LSE has a plain
+relative bound, well above float32 rounding (~1e-7 relative per operation) and far below what a
+wrong merge of split pieces or a wrong rescale does to it."""
 
 
 def randn(*shape, dtype, device="cuda", transposed=False):
@@ -16,43 +57,339 @@ def randn(*shape, dtype, device="cuda", transposed=False):
     return torch.randn(*shape, device=device, dtype=dtype)
 
 
-def same_dtype_attention(q, k, v, softmax_scale, causal):
-    """Attention as torch computes it in the inputs' dtype (fp32 softmax): the error budget's yardstick."""
-    h, hkv = q.shape[2], k.shape[2]
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
-    vh = v.transpose(1, 2).repeat_interleave(h // hkv, dim=1)
-    scores = torch.matmul(qh, kh.transpose(-1, -2)).float() * softmax_scale
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+# --- Flash numerics, emulated -------------------------------------------------------------------
+# Products are summed in float64 and rounded to float32 where a kernel holds float32 (its MMA
+# accumulators): fp32 summation errs ~1e-7, three orders below the 16-bit roundings that matter,
+# and this way no global TF32 setting can change the yardstick.
+
+
+def _fp32_matmul(a, b):
+    return torch.matmul(a.double(), b.double()).float()
+
+
+def _scores(qh, kh, scale, causal):
+    """fp32 scaled scores (B, sq, sk) of one head, masked with -inf."""
+    s = _fp32_matmul(qh, kh.transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(~causal_allowed(q.shape[1], k.shape[1], q.device), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0).to(q.dtype)
-    return torch.matmul(probs, vh).transpose(1, 2)
+        s = s.masked_fill(~causal_allowed(qh.shape[1], kh.shape[1], qh.device), float("-inf"))
+    return s
 
 
-def max_err(a, b):
-    return (a.double() - b.double()).abs().max().item()
+def _heads(q, k):
+    """(query head, its K/V head) pairs."""
+    group = q.shape[2] // k.shape[2]
+    return [(h, h // group) for h in range(q.shape[2])]
 
 
-def assert_forward_close(out, lse, q, k, v, causal, softmax_scale=None):
-    scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
+def emulate_forward(q, k, v, softmax_scale, causal):
+    """(out, lse) as a flash forward computes them: fp32 scores from the 16-bit inputs, fp32
+    softmax, P (relative to the row max) rounded to the input dtype for P·V, fp32 accumulation,
+    O divided by the fp32 row sum and rounded once. One head at a time to bound memory."""
+    batch, seqlen_q, nheads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, nheads, seqlen_q, device=q.device)
+    for h, hk in _heads(q, k):
+        s = _scores(q[:, :, h], k[:, :, hk], softmax_scale, causal)
+        row_max = s.amax(-1, keepdim=True)
+        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        p = torch.exp(s - row_max)
+        row_sum = p.sum(-1, keepdim=True)
+        acc = _fp32_matmul(p.to(q.dtype), v[:, :, hk])
+        seen = row_sum > 0
+        out[:, :, h] = torch.where(seen, acc / torch.where(seen, row_sum, 1.0), 0.0).to(q.dtype)
+        lse[:, h] = torch.where(seen, row_max + torch.log(row_sum), float("-inf")).squeeze(-1)
+    return out, lse
+
+
+def emulate_backward(dout, q, k, v, out, lse, softmax_scale, causal):
+    """(dq, dk, dv) as a flash backward computes them: fp32 dP = dO V^T, P recomputed in fp32
+    from the scores and LSE, D = rowsum(dO * O) and dS = P * (dP - D) in fp32; dV from P and
+    dQ, dK from dS rounded to the input dtype, fp32 accumulation (grouped query heads summed in
+    fp32), one rounding at the end."""
+    dq = torch.empty_like(q)
+    dk32 = torch.zeros(k.shape, device=k.device)
+    dv32 = torch.zeros(v.shape, device=v.device)
+    delta = (dout.float() * out.float()).sum(-1)  # (B, sq, H)
+    for h, hk in _heads(q, k):
+        s = _scores(q[:, :, h], k[:, :, hk], softmax_scale, causal)
+        row_lse = lse[:, h, :, None]
+        p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, 0.0))
+        dp = _fp32_matmul(dout[:, :, h], v[:, :, hk].transpose(-1, -2))
+        ds = p * (dp - delta[:, :, h, None])
+        dv32[:, :, hk] += _fp32_matmul(p.to(q.dtype).transpose(-1, -2), dout[:, :, h])
+        dk32[:, :, hk] += _fp32_matmul(ds.to(q.dtype).transpose(-1, -2), q[:, :, h]) * softmax_scale
+        dq[:, :, h] = (_fp32_matmul(ds.to(q.dtype), k[:, :, hk]) * softmax_scale).to(q.dtype)
+    return dq, dk32.to(k.dtype), dv32.to(v.dtype)
+
+
+def reference_grads(dout, q, k, v, softmax_scale, causal):
+    """Gradients in float64, by autograd through the float64 reference."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64, _ = reference_attention(q64, k64, v64, softmax_scale=softmax_scale, causal=causal)
+    return torch.autograd.grad(out64, (q64, k64, v64), dout.double())
+
+
+# --- The yardstick --------------------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """One tensor measured against the yardstick. `worst` is the largest error / allowed error
+    over the elements (> 1 fails); `rms_ratio` the RMS error / allowed RMS error (> 1 fails)."""
+
+    name: str
+    max_err: float
+    emulated_max_err: float
+    worst: float
+    worst_index: tuple
+    rms: float
+    emulated_rms: float
+    rms_ratio: float
+
+    @property
+    def passed(self) -> bool:
+        return self.worst <= 1 and self.rms_ratio <= 1
+
+    def __str__(self) -> str:
+        return (f"{self.name}: max error {self.max_err:.3e} (emulation {self.emulated_max_err:.3e}), worst "
+                f"element at {self.worst_index} {self.worst:.2f}x its bound; RMS error {self.rms:.3e} "
+                f"(emulation {self.emulated_rms:.3e}) {self.rms_ratio:.2f}x its bound")
+
+
+def measure(name, got, emulated, exact, floor) -> Verdict:
+    """Errors of `got` and `emulated` against `exact` (float64); rows are the last dimension."""
+    exact = exact.double()
+    got_err = (got.double() - exact).abs()
+    emulated_err = (emulated.double() - exact).abs()
+    rows = exact.abs().amax(-1, keepdim=True)
+    largest = rows.max().item()
+    # A tensor that is zero throughout (a gradient no score reaches) is measured in absolute terms.
+    scale = rows.clamp_min(ROW_FLOOR * largest) if largest > 0 else torch.ones_like(rows)
+    allowed = MAX_FACTOR * (emulated_err / scale).max() * scale + floor
+    ratio = got_err / allowed
+    worst = int(ratio.argmax())
+    worst_index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ratio.shape))
+    rms, emulated_rms = (e.square().mean().sqrt().item() for e in (got_err, emulated_err))
+    return Verdict(
+        name=name, max_err=got_err.max().item(), emulated_max_err=emulated_err.max().item(),
+        worst=ratio.flatten()[worst].item(), worst_index=worst_index,
+        rms=rms, emulated_rms=emulated_rms, rms_ratio=rms / (RMS_FACTOR * emulated_rms + floor),
+    )
+
+
+def assert_within_yardstick(name, got, emulated, exact, floor):
+    assert torch.isfinite(got).all(), f"{name} has NaN or inf (unwritten poison or a real overflow)"
+    verdict = measure(name, got, emulated, exact, floor)
+    assert verdict.passed, str(verdict)
+    return verdict
+
+
+def assert_forward_accurate(out, lse, q, k, v, causal, softmax_scale=None):
+    """`out` and `lse` of a forward on q, k, v against the float64 reference, within the yardstick."""
+    scale = default_scale(q.shape[-1], softmax_scale)
     ref_out, ref_lse = reference_attention(q, k, v, softmax_scale=scale, causal=causal)
-    torch_err = max_err(same_dtype_attention(q, k, v, scale, causal), ref_out)
-    assert not torch.isnan(out).any(), "output has NaN (unwritten poison or a real NaN)"
-    err = max_err(out, ref_out)
-    assert err <= 2 * torch_err + 1e-5, f"out error {err:.3e} > 2 x torch's {torch_err:.3e} + 1e-5"
+    emulated_out, _ = emulate_forward(q, k, v, scale, causal)
+    verdict = assert_within_yardstick("out", out, emulated_out, ref_out, FORWARD_FLOOR)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "lse must be -inf exactly where a row sees no key"
     assert torch.all(torch.isneginf(lse[~finite]))
-    lse_err = max_err(lse[finite], ref_lse[finite]) if finite.any() else 0.0
-    assert lse_err <= 1e-3, f"lse error {lse_err:.3e}"
-    return err, torch_err
+    if finite.any():
+        lse_err = (lse[finite].double() - ref_lse[finite]).abs()
+        bound = LSE_TOLERANCE * (1 + ref_lse[finite].abs())
+        assert (lse_err <= bound).all(), f"lse error {lse_err.max().item():.3e}, up to {(lse_err / bound).max().item():.2f}x its bound"
+    return verdict
+
+
+def assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=None):
+    """(dq, dk, dv) for dout against float64 autograd through the reference, within the yardstick
+    (the emulation takes its own forward's rounded O and fp32 LSE, as a flash backward takes its forward's)."""
+    scale = default_scale(q.shape[-1], softmax_scale)
+    exact = reference_grads(dout, q, k, v, scale, causal)
+    out, lse = emulate_forward(q, k, v, scale, causal)
+    emulated = emulate_backward(dout, q, k, v, out, lse, scale, causal)
+    return [assert_within_yardstick(name, got, emu, ref, BACKWARD_FLOOR)
+            for name, got, emu, ref in zip(("dq", "dk", "dv"), grads, emulated, exact)]
+
+
+# --- Which kernel family served a call ------------------------------------------------------------
+
+SM90_FORWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
+"""Head dims whose fp16/bf16 forward the sm90 kernels serve on an sm_90 GPU (README, dispatch)."""
+
+BACKWARD_FAMILY = "sm80"
+"""Every backward runs the sm80 kernels today."""
+
+
+def expected_forward_family(head_dim: int) -> str:
+    forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
+    if forced:
+        return forced
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    return "sm90" if hopper and head_dim in SM90_FORWARD_HEAD_DIMS else "sm80"
+
+
+def family_of(key) -> str:
+    """'sm90' or 'sm80' from a compile key (the kernel's module path or the backward's tag)."""
+    text = repr(key).lower()
+    families = [name for name in ("sm90", "sm80") if name in text]
+    return families[0] if len(families) == 1 else f"unknown ({key!r})"
+
+
+@contextlib.contextmanager
+def kernels_used():
+    """Collects the compile keys of every kernel looked up inside the block. The API keeps forward
+    and backward launchers per problem class, which skip the lookup; they are dropped first so that every call
+    inside looks its kernel up (from the memory cache: nothing is compiled twice)."""
+    from cute_flash import cache
+
+    real = cache.get_or_compile
+    keys = []
+
+    def recording(key, build, arch=None):
+        keys.append(key)
+        return real(key, build, arch)
+
+    clear_launchers()  # (this imports the API, and with it every module that looks kernels up)
+    # Modules that imported the function by name hold their own reference to it.
+    holders = [module for name, module in list(sys.modules.items())
+               if name.split(".")[0] == "cute_flash" and getattr(module, "get_or_compile", None) is real]
+    for module in holders:
+        module.get_or_compile = recording
+    try:
+        yield keys
+    finally:
+        for module in holders:
+            module.get_or_compile = real
+
+
+def assert_served_by(keys, family: str):
+    assert keys, "no kernel lookup recorded: clear_launchers() in tests/gpu/common.py misses a memo"
+    families = {family_of(key) for key in keys}
+    assert families == {family}, f"expected the {family} kernels, the call used {sorted(families)}: {keys}"
+
+
+@contextlib.contextmanager
+def served_by(family: str):
+    """Asserts that the calls inside the block ran kernels of `family` ('sm90' or 'sm80') only."""
+    with kernels_used() as keys:
+        yield
+    assert_served_by(keys, family)
+
+
+def run_forward(q, k, v, causal, **kwargs):
+    """One forward into NaN-poisoned outputs, on the kernel family dispatch promises."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
+    with served_by(expected_forward_family(q.shape[-1])):
+        ret_out, ret_lse = cute_flash.forward(q, k, v, out=out, lse=lse, causal=causal, **kwargs)
+    assert ret_out is out and ret_lse is lse
+    return out, lse
+
+
+def run_backward(q, k, v, dout, causal, deterministic=False, softmax_scale=None):
+    """Forward, then backward into NaN-poisoned gradients, each on the family dispatch promises."""
+    with served_by(expected_forward_family(q.shape[-1])):
+        out, lse = cute_flash.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    with served_by(BACKWARD_FAMILY):
+        dq, dk, dv = cute_flash.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                         softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
+    assert dq is grads[0] and dk is grads[1] and dv is grads[2]
+    return dq, dk, dv
+
+
+# --- Internal names (kept here so that a change of module layout touches one file) ----------------
+
+
+def clear_launchers():
+    """Forget the API's per-process forward and backward launchers (cute_flash/api.py)."""
+    from cute_flash import api
+
+    api._forward_kernels.clear()
+    api._backward_kernels.clear()
+
+
+@contextlib.contextmanager
+def backward_determinism_flags():
+    """The `deterministic` argument of every backward that autograd runs inside the block
+    (cute_flash/autograd.py reaches the kernels through api.backward)."""
+    from cute_flash import api
+
+    real = api.backward
+    flags = []
+
+    def recording(*args, **kwargs):
+        flags.append(kwargs.get("deterministic", False))
+        return real(*args, **kwargs)
+
+    api.backward = recording
+    try:
+        yield flags
+    finally:
+        api.backward = real
+
+
+def sm90_forward_config(dtype, head_dim: int, causal: bool, length: str):
+    """The Hopper forward's configuration that dispatch picks on this GPU (kernels/sm90/config.py)."""
+    from cute_flash import dispatch
+
+    return dispatch.plan_forward(torch.cuda.get_device_capability(), dtype, head_dim, causal, length).config
+
+
+def sm90_walk_plan(seqlen_q: int, seqlen_k: int, num_heads_batch: int, config) -> list[int]:
+    from cute_flash.kernels.sm90.tile_scheduler import plan_walk
+
+    return plan_walk(seqlen_q, seqlen_k, num_heads_batch, config.tile_m, config.tile_n, config.num_sms)
+
+
+def sm90_walk_plan_is_empty(plan) -> bool:
+    """Whether a planned short causal walk (tile_scheduler.plan_walk) leaves the end unplanned."""
+    from cute_flash.kernels.sm90.tile_scheduler import NO_UNIT
+
+    return plan[0] == NO_UNIT
+
+
+def record_sm90_tail_plans(monkeypatch) -> list:
+    """(tail tiles, pieces) of each tail plan the sm90 launcher makes from now on (None: no split)."""
+    from cute_flash import launchers
+
+    plans, planner = [], launchers.tail_plan
+
+    def recorded_plan(*args):
+        plan = planner(*args)
+        plans.append(None if plan is None else (plan.tiles, len(plan.units)))
+        return plan
+
+    monkeypatch.setattr(launchers, "tail_plan", recorded_plan)
+    return plans
+
+
+def clear_sm90_tail_plans():
+    from cute_flash import launchers
+
+    launchers._tail_plan.cache_clear()
 
 
 def assert_counters_at_zero():
     """Every counter of the sm90 forward (kept per device, stream and tail plan, in front of the
-    plan's words) is back at zero after the calls (kernels/sm90/fwd.py: TailPlan)."""
-    from cute_flash import dispatch, forward_sm90
-    from cute_flash.kernels.sm90.fwd import TailPlan
+    plan's words) is back at zero after the calls (kernels/sm90/tile_scheduler.py: TailPlan)."""
+    from cute_flash import device, launchers
+    from cute_flash.kernels.sm90.tile_scheduler import TailPlan
 
-    for _, counters in forward_sm90._counters.values():
-        assert int(counters[:TailPlan.plan_offset(dispatch.sm_count())].abs().sum()) == 0
+    for _, counters in launchers._counters.values():
+        assert int(counters[:TailPlan.plan_offset(device.sm_count())].abs().sum()) == 0
+
+
+# --- The head-dim sweep ---------------------------------------------------------------------------
+
+SWEEP_HEAD_DIMS = tuple(range(8, 257, 8))
+
+
+def sweep_causal(head_dim: int) -> bool:
+    """One masking per head dim of the sweep, alternating (odd multiples of 8 causal), so that the
+    sweep compiles one forward and one backward variant per (dtype, head dim)."""
+    return head_dim % 16 == 8

@@ -1,14 +1,23 @@
 """Backward correctness on the GPU: dq, dk, dv against float64 autograd through the reference."""
 
-import math
+import contextlib
 
 import pytest
 import torch
 
 import cute_flash
-from cute_flash import reference_attention
 
-from .common import max_err, randn, same_dtype_attention
+from .common import (
+    BACKWARD_FAMILY,
+    assert_backward_accurate,
+    backward_determinism_flags,
+    expected_forward_family,
+    family_of,
+    kernels_used,
+    randn,
+    run_backward,
+    served_by,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -19,33 +28,11 @@ CASES = [(torch.float16, 32), (torch.bfloat16, 64), (torch.float16, 96), (torch.
 SEQLENS = [(1, 1), (113, 203), (64, 700), (1000, 1000)]
 
 
-def reference_grads(q, k, v, dout, causal, scale):
-    """(float64 gradients, torch's same-dtype gradients) for the error budget."""
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64, _ = reference_attention(q64, k64, v64, softmax_scale=scale, causal=causal)
-    exact = torch.autograd.grad(out64, (q64, k64, v64), dout.double())
-    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    lowp = torch.autograd.grad(same_dtype_attention(ql, kl, vl, scale, causal), (ql, kl, vl), dout)
-    return exact, lowp
-
-
-def run_backward(q, k, v, dout, causal, deterministic=False):
-    out, lse = cute_flash.forward(q, k, v, causal=causal)
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    dq, dk, dv = cute_flash.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
-                                     causal=causal, deterministic=deterministic)
-    assert dq is grads[0] and dk is grads[1] and dv is grads[2]
-    return dq, dk, dv
-
-
-def assert_grads_close(grads, q, k, v, dout, causal):
-    scale = 1 / math.sqrt(q.shape[-1])
-    exact, lowp = reference_grads(q, k, v, dout, causal, scale)
-    for name, got, ref, torch_grad in zip(("dq", "dk", "dv"), grads, exact, lowp):
-        assert not torch.isnan(got).any(), f"{name} has NaN (unwritten poison or a real NaN)"
-        bound = 2 * max_err(torch_grad, ref) + 1e-4
-        err = max_err(got, ref)
-        assert err <= bound, f"{name} error {err:.3e} > bound {bound:.3e}"
+def autograd_grads(q, k, v, dout, causal, softmax_scale=None):
+    """Gradients through flash_attn_func and torch.autograd (the custom ops' path)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    cute_flash.flash_attn_func(*leaves, softmax_scale=softmax_scale, causal=causal).backward(dout)
+    return tuple(t.grad for t in leaves)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -55,7 +42,7 @@ def test_backward_matches_float64_autograd(dtype, head_dim, seqlens, causal):
     sq, sk = seqlens
     q, k, v = randn(2, sq, 4, head_dim, dtype=dtype), randn(2, sk, 4, head_dim, dtype=dtype), randn(2, sk, 4, head_dim, dtype=dtype)
     dout = randn(2, sq, 4, head_dim, dtype=dtype)
-    assert_grads_close(run_backward(q, k, v, dout, causal), q, k, v, dout, causal)
+    assert_backward_accurate(run_backward(q, k, v, dout, causal), dout, q, k, v, causal)
 
 
 # On the H100, d = 192-256 keep a second Q buffer (and dO up to 224), and d = 256 computes dQ in
@@ -73,7 +60,7 @@ def test_wide_head_dims_with_gqa_and_deterministic_order(dtype, head_dim, causal
     q = randn(2, 517, 4, head_dim, dtype=dtype)
     k, v = (randn(2, 333, 2 if gqa else 4, head_dim, dtype=dtype) for _ in range(2))
     dout = randn(2, 517, 4, head_dim, dtype=dtype)
-    assert_grads_close(run_backward(q, k, v, dout, causal, deterministic), q, k, v, dout, causal)
+    assert_backward_accurate(run_backward(q, k, v, dout, causal, deterministic), dout, q, k, v, causal)
 
 
 @pytest.mark.parametrize("nheads, nheads_kv", [(8, 2), (8, 1)])
@@ -82,7 +69,7 @@ def test_gqa_and_mqa_sum_over_query_heads(nheads, nheads_kv, causal):
     q = randn(2, 300, nheads, 64, dtype=torch.bfloat16)
     k, v = (randn(2, 257, nheads_kv, 64, dtype=torch.bfloat16) for _ in range(2))
     dout = randn(2, 300, nheads, 64, dtype=torch.bfloat16)
-    assert_grads_close(run_backward(q, k, v, dout, causal), q, k, v, dout, causal)
+    assert_backward_accurate(run_backward(q, k, v, dout, causal), dout, q, k, v, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -95,28 +82,76 @@ def test_non_contiguous_inputs_and_gradient_outputs(causal):
     dq = torch.full((2, 4, 200, 128), float("nan"), device="cuda", dtype=torch.float16).transpose(1, 2)
     dk = torch.full((2, 4, 190, 128), float("nan"), device="cuda", dtype=torch.float16).transpose(1, 2)
     dv = torch.full_like(v, float("nan"))
-    cute_flash.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, causal=causal)
-    assert_grads_close((dq, dk, dv), q, k, v, dout, causal)
+    with served_by(BACKWARD_FAMILY):
+        cute_flash.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, causal=causal)
+    assert_backward_accurate((dq, dk, dv), dout, q, k, v, causal)
 
 
-@pytest.mark.parametrize("nheads_kv", [4, 2])
-def test_deterministic_mode_is_bit_identical(nheads_kv):
-    q = randn(2, 1000, 4, 64, dtype=torch.bfloat16)
-    k, v = (randn(2, 1000, nheads_kv, 64, dtype=torch.bfloat16) for _ in range(2))
-    dout = randn(2, 1000, 4, 64, dtype=torch.bfloat16)
-    runs = [run_backward(q, k, v, dout, causal=True, deterministic=True) for _ in range(3)]
+@pytest.mark.parametrize("dtype, head_dim, causal, softmax_scale", [
+    (torch.bfloat16, 64, True, 0.37),    # between the default 0.125 and 1
+    (torch.float16, 128, False, 0.02),   # flat softmax: every key matters
+    (torch.bfloat16, 128, True, 0.5),    # 5.7x the default: a peaked softmax, large dS
+], ids=str)
+def test_backward_with_softmax_scale(dtype, head_dim, causal, softmax_scale):
+    """A scale other than 1/sqrt(d) reaches the backward's P and the final dQ/dK scaling, through
+    the API and through autograd (which keeps the scale for the backward)."""
+    q = randn(2, 300, 4, head_dim, dtype=dtype)
+    k, v = (randn(2, 280, 2, head_dim, dtype=dtype) for _ in range(2))
+    dout = randn(2, 300, 4, head_dim, dtype=dtype)
+    grads = run_backward(q, k, v, dout, causal, softmax_scale=softmax_scale)
+    assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=softmax_scale)
+    assert_backward_accurate(autograd_grads(q, k, v, dout, causal, softmax_scale), dout, q, k, v, causal,
+                             softmax_scale=softmax_scale)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) inside the block only: torch's own CUDA matmuls,
+    which the yardstick uses, refuse to run in that mode without a cuBLAS workspace setting."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+# Variants whose deterministic kernels other tests compile too.
+DETERMINISTIC_CASES = [
+    (torch.bfloat16, 64, True, (1000, 1000), 2),
+    (torch.bfloat16, 64, True, (517, 333), 4),
+    (torch.float16, 256, False, (300, 700), 2),
+    (torch.bfloat16, 256, True, (700, 300), 4),
+    (torch.float16, 224, True, (113, 203), 4),
+]
+
+
+@pytest.mark.parametrize("dtype, head_dim, causal, seqlens, nheads_kv", DETERMINISTIC_CASES, ids=str)
+def test_deterministic_mode_is_bit_identical(dtype, head_dim, causal, seqlens, nheads_kv):
+    """With torch.use_deterministic_algorithms(True) autograd asks for the deterministic backward,
+    and three runs give bitwise-equal gradients (torch also fills its fresh buffers with NaN in
+    this mode, so a workspace the kernels read before writing shows)."""
+    sq, sk = seqlens
+    q = randn(2, sq, 4, head_dim, dtype=dtype)
+    k, v = (randn(2, sk, nheads_kv, head_dim, dtype=dtype) for _ in range(2))
+    dout = randn(2, sq, 4, head_dim, dtype=dtype)
+    with deterministic_algorithms(), backward_determinism_flags() as flags:
+        runs = [autograd_grads(q, k, v, dout, causal) for _ in range(3)]
+    assert flags == [True] * 3
     for other in runs[1:]:
-        for a, b in zip(runs[0], other):
-            assert torch.equal(a, b)
-    assert_grads_close(runs[0], q, k, v, dout, True)
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(first, again), f"{name} differs between deterministic runs"
+    assert_backward_accurate(runs[0], dout, q, k, v, causal)
 
 
 def test_autograd_through_flash_attn_func():
-    q, k, v = (randn(2, 257, 4, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    q, k, v = (randn(2, 257, 4, 64, dtype=torch.bfloat16) for _ in range(3))
     dout = randn(2, 257, 4, 64, dtype=torch.bfloat16)
-    out = cute_flash.flash_attn_func(q, k, v, causal=True)
-    out.backward(dout)
-    assert_grads_close((q.grad, k.grad, v.grad), q.detach(), k.detach(), v.detach(), dout, True)
+    with kernels_used() as keys, backward_determinism_flags() as flags:
+        grads = autograd_grads(q, k, v, dout, True)
+    assert {family_of(key) for key in keys} == {expected_forward_family(64), BACKWARD_FAMILY}
+    assert flags == [False]
+    assert_backward_accurate(grads, dout, q, k, v, True)
 
 
 def test_forward_backward_memory_is_linear_in_seqlen():

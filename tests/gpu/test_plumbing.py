@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 
 def compiled_copy(head_dim=64):
-    from cute_flash.dispatch import target_arch
+    from cute_flash.device import target_arch
 
     return cache.get_or_compile(("tests", "copy", head_dim), tiny_kernel.build(head_dim), target_arch())
 
@@ -42,6 +42,10 @@ def test_runs_on_the_current_stream(cache_dir):
 
 
 def test_wrong_dtype_is_refused_by_the_entry_point(cache_dir):
+    kernel = compiled_copy()  # compiled for float16
     src = torch.randn(1, 4, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(Exception):
-        compiled_copy()(src, src.clone())
+    dst = torch.full_like(src, float("nan"))
+    with pytest.raises(ValueError, match=r"(?s)argument #0.*expected dtype="):
+        kernel(src, dst)
+    torch.cuda.synchronize()
+    assert torch.isnan(dst).all()

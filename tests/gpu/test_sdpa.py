@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import cute_flash
 from cute_flash import sdpa
 
-from .common import max_err, randn, same_dtype_attention
+from .common import FORWARD_FLOOR, assert_within_yardstick, emulate_forward, randn
 from .kernel_spy import count_kernel_calls
 
 pytestmark = [
@@ -35,13 +35,12 @@ def grads(out, dout, *inputs):
     return torch.autograd.grad(out, inputs, dout)
 
 
-@pytest.mark.parametrize("causal, gqa", [(True, True), (False, False), (True, False)])
-def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal, gqa):
-    q = bhsd(2, 8, 257, 64, grad=True)
-    k, v = (bhsd(2, 2 if gqa else 8, 257, 64, grad=True) for _ in range(2))
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal):
+    q, k, v = (bhsd(2, 8, 257, 64, grad=True) for _ in range(3))
     dout = randn(2, 8, 257, 64, dtype=torch.bfloat16)
     with sdpa.enabled():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         got = grads(out, dout, q, k, v)
     assert spy == {"forward": 1, "backward": 1}
     qt, kt, vt = (t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v))
@@ -50,9 +49,22 @@ def test_sdpa_runs_cute_flash_forward_and_backward(spy, causal, gqa):
     expected = grads(direct, dout.transpose(1, 2), qt, kt, vt)
     for name, g, e in zip(("dq", "dk", "dv"), got, expected):
         # The backward accumulates dq with atomics in a run-dependent order: equal up to rounding.
-        err, size = max_err(g, e.transpose(1, 2)), e.abs().max().item()
+        err, size = _max_err(g, e.transpose(1, 2)), e.abs().max().item()
         assert err <= 1e-2 * size, f"{name}: {err:.3e} (max |grad| {size:.3e})"
     assert not sdpa.is_active()
+
+
+def test_sdpa_with_enable_gqa_is_right_whichever_backend_torch_picks():
+    """With enable_gqa=True, torch 2.11 on the H100 picks a backend other than flash even when flash
+    comes first in the priority order (measured 2026-11-27), so cute-flash is not called there. The
+    result must still be exact attention, whichever backend computed it."""
+    q = bhsd(2, 8, 257, 64)
+    k, v = (bhsd(2, 2, 257, 64) for _ in range(2))
+    with sdpa.enabled():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    ref, _ = cute_flash.reference_attention(qt, kt, vt, causal=True)
+    assert _max_err(out.transpose(1, 2), ref) <= 2e-2 * ref.abs().max().item()
 
 
 def test_deterministic_mode_reaches_the_sdpa_backward(spy):
@@ -68,6 +80,10 @@ def test_deterministic_mode_reaches_the_sdpa_backward(spy):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def _max_err(a, b):
+    return (a.double() - b.double()).abs().max().item()
+
+
 def test_head_dim_padded_by_sdpa_keeps_the_original_scale(spy):
     """SDPA pads head dim 36 to 40 for its flash backend and passes scale 1/sqrt(36)."""
     q, k, v = (bhsd(2, 4, 130, 36) for _ in range(3))
@@ -75,9 +91,10 @@ def test_head_dim_padded_by_sdpa_keeps_the_original_scale(spy):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert spy["forward"] == 1
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-    ref, _ = cute_flash.reference_attention(qt, kt, vt, causal=True)
-    torch_err = max_err(same_dtype_attention(qt, kt, vt, 36 ** -0.5, True), ref)
-    assert max_err(out.transpose(1, 2), ref) <= 2 * torch_err + 1e-5
+    scale = 36 ** -0.5  # head dim 36 itself has no kernel: only `out` (of the padded call) is checked
+    ref, _ = cute_flash.reference_attention(qt, kt, vt, softmax_scale=scale, causal=True)
+    emulated, _ = emulate_forward(qt, kt, vt, scale, True)
+    assert_within_yardstick("out", out.transpose(1, 2), emulated, ref, FORWARD_FLOOR)
 
 
 def test_activate_and_deactivate(spy):
@@ -119,7 +136,7 @@ def test_fp32_runs_torch(spy):
     expected, got = torch_and_routed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert spy["forward"] == 0 and torch.equal(got, expected)
     ref, _ = cute_flash.reference_attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
-    assert max_err(got, ref.transpose(1, 2)) <= 1e-4
+    assert _max_err(got, ref.transpose(1, 2)) <= 1e-4
 
 
 def test_dropout_runs_torch_forward_and_backward(spy):
@@ -134,7 +151,7 @@ def test_dropout_runs_torch_forward_and_backward(spy):
     assert spy == {"forward": 0, "backward": 0}
     assert torch.equal(got, expected), "same seed, same torch kernel: the same dropout pattern"
     for g, e in zip(got_grads, expected_grads):
-        assert max_err(g, e) <= 1e-2 * e.abs().max().item()
+        assert _max_err(g, e) <= 1e-2 * e.abs().max().item()
 
 
 def test_direct_op_call_with_non_square_causal_runs_torch(spy):

@@ -1,0 +1,116 @@
+"""Back-to-back calls, hundreds of them, each compared bit for bit with the first: a race (a
+counter not back at zero when the next call starts, a tile written twice, a read before the
+write it depends on, a dependent launch that does not wait) shows as a call that differs."""
+
+import pytest
+import torch
+
+import cute_flash
+
+from .common import (
+    BACKWARD_FAMILY,
+    assert_backward_accurate,
+    assert_counters_at_zero,
+    assert_forward_accurate,
+    randn,
+    run_forward,
+    served_by,
+)
+
+pytestmark = pytest.mark.gpu
+
+ROUNDS, RING = 8, 8
+"""Each round poisons RING outputs, queues RING calls with nothing between them (so that each
+call starts while the one before it ends) and compares them on the GPU: 64 calls per shape."""
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bit patterns, so that equality is exact (NaN poison included)."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def differing_elements(results, first):
+    """Count, on the GPU (no synchronization), the elements of `results` that differ from `first`."""
+    return sum((bits(got) != bits(ref)).sum() for got, ref in zip(results, first))
+
+
+# (batch, (seqlen_q, seqlen_k), nheads, nheads_kv, head_dim, causal, dtype); comments: the sm90
+# forward's schedule for each on an H100's 132 SMs (tests/gpu/test_forward.py checks the plans).
+FORWARD_SHAPES = [
+    (1, (2300, 3001), 58, 29, 128, False, torch.bfloat16),  # long: dynamic schedule, last 36 tiles in 3 pieces
+    (2, (3000, 2500), 5, 1, 64, False, torch.float16),      # long: last 28 tiles in 4 pieces, MQA
+    (2, (3001, 3500), 8, 4, 128, True, torch.bfloat16),     # mid causal: dynamic schedule, 192-row tiles
+    (3, (1000, 1000), 16, 4, 128, True, torch.float16),     # short causal: static walk, planned tail
+    (4, (1000, 1000), 16, 4, 128, False, torch.bfloat16),   # short non-causal: dynamic schedule
+]
+
+
+@pytest.mark.parametrize("family", ["native", "sm80"])
+@pytest.mark.parametrize("batch, seqlens, nheads, nheads_kv, head_dim, causal, dtype", FORWARD_SHAPES, ids=str)
+def test_forward_repeats_bit_for_bit(monkeypatch, family, batch, seqlens, nheads, nheads_kv, head_dim, causal, dtype):
+    if family == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    sq, sk = seqlens
+    q = randn(batch, sq, nheads, head_dim, dtype=dtype)
+    k, v = (randn(batch, sk, nheads_kv, head_dim, dtype=dtype) for _ in range(2))
+    first = run_forward(q, k, v, causal)
+    assert_forward_accurate(*first, q, k, v, causal)
+    outs = [torch.empty_like(q) for _ in range(RING)]
+    lses = [torch.empty_like(first[1]) for _ in range(RING)]
+    differing = torch.zeros((), dtype=torch.int64, device="cuda")
+    for _ in range(ROUNDS):
+        for t in outs + lses:
+            t.fill_(float("nan"))
+        for out, lse in zip(outs, lses):
+            cute_flash.forward(q, k, v, out=out, lse=lse, causal=causal)
+        for out, lse in zip(outs, lses):
+            differing += differing_elements((out, lse), first)
+    assert differing.item() == 0, f"{differing.item()} elements differ from the first call over {ROUNDS * RING} calls"
+    assert_counters_at_zero()
+
+
+# (batch, seqlen, nheads, nheads_kv, head_dim, causal, dtype, deterministic): variants other tests compile too.
+BACKWARD_SHAPES = [
+    (2, 1000, 8, 2, 64, True, torch.bfloat16, True),
+    (2, 1000, 4, 4, 128, False, torch.float16, False),
+]
+
+
+@pytest.mark.parametrize("batch, seqlen, nheads, nheads_kv, head_dim, causal, dtype, deterministic", BACKWARD_SHAPES, ids=str)
+def test_backward_repeats_bit_for_bit(batch, seqlen, nheads, nheads_kv, head_dim, causal, dtype, deterministic):
+    """dK and dV (one CTA per key block) are bit-identical in either mode, dQ in deterministic
+    mode; by default dQ's fp32 partial sums arrive by atomics in any order, so an element may
+    round to a neighbour: one unit in the last place of its own value or of 1/64 of dQ's largest
+    (fp32 sums that cancel), never the size of a lost or doubled partial sum (~1/8 of dQ here)."""
+    q = randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    k, v = (randn(batch, seqlen, nheads_kv, head_dim, dtype=dtype) for _ in range(2))
+    dout = randn(batch, seqlen, nheads, head_dim, dtype=dtype)
+    out, lse = cute_flash.forward(q, k, v, causal=causal)
+
+    def backward_into(grads):
+        cute_flash.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], causal=causal,
+                            deterministic=deterministic)
+
+    first = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+    with served_by(BACKWARD_FAMILY):
+        backward_into(first)
+    assert_backward_accurate(first, dout, q, k, v, causal)
+    exact = first if deterministic else first[1:]
+    # finfo.eps, the spacing of values in [1, 2), bounds the spacing at |x| by eps * |x|.
+    dq_allowed = torch.finfo(dtype).eps * (first[0].float().abs() + first[0].float().abs().max() / 64)
+    ring = [[torch.empty_like(t) for t in (q, k, v)] for _ in range(RING)]
+    differing = torch.zeros((), dtype=torch.int64, device="cuda")
+    dq_beyond_one_ulp = torch.zeros((), dtype=torch.int64, device="cuda")
+    for _ in range(ROUNDS // 2):
+        for grads in ring:
+            for t in grads:
+                t.fill_(float("nan"))
+        for grads in ring:
+            backward_into(grads)
+        for dq, dk, dv in ring:
+            differing += differing_elements((dq, dk, dv) if deterministic else (dk, dv), exact)
+            dq_beyond_one_ulp += ((dq.float() - first[0].float()).abs() > dq_allowed).sum() + torch.isnan(dq).sum()
+    assert differing.item() == 0, f"{differing.item()} elements differ from the first call"
+    assert dq_beyond_one_ulp.item() == 0, f"{dq_beyond_one_ulp.item()} dq elements differ by more than one unit in the last place"
