@@ -31,8 +31,10 @@ def to_caller(like, given, result: torch.Tensor):
     place), else `result` in the framework of `like` (the caller's input it corresponds to): a
     torch tensor for torch, the framework's own array otherwise, zero copy through DLPack (its
     array-API namespace's `from_dlpack`, or its package's)."""
-    if given is not None or isinstance(like, torch.Tensor):
-        return result if given is None else given
+    if given is not None:
+        return given
+    if isinstance(like, torch.Tensor):
+        return result
     if hasattr(like, "__array_namespace__"):
         namespace = like.__array_namespace__()
     else:
