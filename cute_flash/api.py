@@ -5,6 +5,7 @@ when it raises."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 
@@ -23,6 +24,23 @@ def as_torch(name: str, t):
     if hasattr(t, "__dlpack__"):
         return torch.from_dlpack(t)
     raise MissingTensorError(f"{name} must be a torch tensor or support DLPack, got {type(t).__name__}")
+
+
+def to_caller(like, given, result: torch.Tensor):
+    """What a call returns for one output: `given` itself when the caller passed it (written in
+    place), else `result` in the framework of `like` (the caller's input it corresponds to): a
+    torch tensor for torch, the framework's own array otherwise, zero copy through DLPack (its
+    array-API namespace's `from_dlpack`, or its package's)."""
+    if given is not None:
+        return given
+    if isinstance(like, torch.Tensor):
+        return result
+    if hasattr(like, "__array_namespace__"):
+        namespace = like.__array_namespace__()
+    else:
+        namespace = importlib.import_module(type(like).__module__.split(".")[0])
+    from_dlpack = getattr(namespace, "from_dlpack", None)
+    return result if from_dlpack is None else from_dlpack(result)
 
 
 STAT_ALIGN = 4
@@ -119,11 +137,13 @@ def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa):
 
 
 def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
-    """Attention forward on any DLPack-capable GPU tensors; returns (out, lse) as torch tensors.
+    """Attention forward on any DLPack-capable GPU tensors; returns (out, lse) in q's framework
+    (torch tensors for torch, CuPy arrays for CuPy, JAX arrays for JAX: zero copy).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim).
-    `out` (like q) and `lse` ((batch, nheads, seqlen_q), float32) are written when given.
+    `out` (like q) and `lse` ((batch, nheads, seqlen_q), float32) are written when given, and returned.
     """
+    caller_q, caller_out, caller_lse = q, out, lse
     q, k, v, out, lse = as_torch("q", q), as_torch("k", k), as_torch("v", v), as_torch("out", out), as_torch("lse", lse)
     problem = check_qkv(q, k, v)
     tensors = {"q": q, "k": k, "v": v}
@@ -142,15 +162,18 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         launch(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
-        return deliver(out, out_k), deliver(lse, lse_k)
+        return (to_caller(caller_q, caller_out, deliver(out, out_k)),
+                to_caller(caller_q, caller_lse, deliver(lse, lse_k)))
 
 
 def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
              deterministic=False):
-    """Gradients of attention w.r.t. q, k, v on any DLPack GPU tensors; returns (dq, dk, dv).
+    """Gradients of attention w.r.t. q, k, v on any DLPack GPU tensors; returns (dq, dk, dv) in the
+    framework of q, k and v (as `forward`).
 
-    `lse` is the one `forward` returned. `dq`, `dk`, `dv` are written when given.
+    `lse` is the one `forward` returned. `dq`, `dk`, `dv` are written when given, and returned.
     """
+    callers = (q, k, v), (dq, dk, dv)
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
     dout, q, k, v, out, lse, dq, dk, dv = (as_torch(n, t) for n, t in zip(names, (dout, q, k, v, out, lse, dq, dk, dv)))
     problem = check_qkv(q, k, v)
@@ -173,4 +196,5 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
                            deterministic, gqa)
         launch(kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
                kernel_input(lse, STAT_ALIGN), *grads, scale)
-        return tuple(deliver(given, written) for given, written in zip((dq, dk, dv), grads))
+        return tuple(to_caller(like, caller_grad, deliver(given, written))
+                     for like, caller_grad, given, written in zip(*callers, (dq, dk, dv), grads))

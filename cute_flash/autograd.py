@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from . import api
+from . import api, fallback
+from .errors import UnsupportedArgumentError
 from .validate import check_flash_attn_options, check_qkv, check_softmax_scale, require_torch_tensor
 
 
@@ -66,10 +67,14 @@ attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, causal: bool,
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for torch tensors, through autograd when a gradient is needed."""
+    """(out, lse) for torch tensors, through autograd when a gradient is needed; (out, None) on a
+    GPU older than sm_80 (fallback.py)."""
     # The default scale needs the head dim; a q of the wrong rank gets its typed error here.
     head_dim = q.shape[3] if q.dim() == 4 else check_qkv(q, k, v).head_dim
     scale = check_softmax_scale(softmax_scale, head_dim)
+    older_gpu = fallback.older_gpu(q.device)
+    if older_gpu is not None:
+        return fallback.attention(q, k, v, scale, causal, deterministic, older_gpu), None
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
         return attention_forward(q, k, v, scale, causal, deterministic)
@@ -80,6 +85,10 @@ def results(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, retur
     """flash-attn 2's return convention: `(out, softmax_lse, S_dmask)` with `return_attn_probs`,
     where S_dmask (the probabilities with the dropout pattern) exists only for dropout_p > 0, which
     cute-flash rejects; so it is None here, as in flash-attn 2 with dropout_p = 0."""
+    if lse is None and (return_attn_probs or return_lse):
+        raise UnsupportedArgumentError(
+            "return_lse and return_attn_probs need cute-flash's kernels (sm_80 or newer); on this GPU "
+            "torch's scaled_dot_product_attention computes the output and gives no lse")
     if return_attn_probs:
         return out, lse, None
     return (out, lse) if return_lse else out
@@ -105,6 +114,8 @@ def flash_attn_func(
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), with
     nheads a multiple of nheads_kv (MQA/GQA). fp16 or bf16 on an sm_80-or-newer GPU; headdim any
     multiple of 8 up to 256; any strides. Causal masking is bottom-right aligned, as in flash-attn 2.
+    On an older GPU (V100, T4) torch's scaled_dot_product_attention computes the output instead,
+    with a warning the first time (no lse there).
 
     Implemented: softmax_scale (default 1/sqrt(headdim)), causal, deterministic (the backward is
     deterministic when True or when `torch.use_deterministic_algorithms(True)` is on). Rejected with

@@ -1,4 +1,4 @@
-"""`cute-flash` command line: info, check, warmup, layouts, bench, dashboard."""
+"""`cute-flash` command line: info, check, warmup, layouts, export, bench, dashboard."""
 
 from __future__ import annotations
 
@@ -396,6 +396,61 @@ def cmd_layouts(args) -> int:
     return 0
 
 
+CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
+
+
+def cmd_export(args) -> int:
+    """Build a shared library and C header (docs/api.md, "C ABI") from the chosen variants."""
+    from .errors import CuteFlashError
+    from .export import ExportError, export_library, kernel_jobs
+
+    arch = args.arch or _this_gpus_target()
+    causals = CAUSAL_CHOICES[args.causal]
+    progress = None
+    try:
+        kernels = len(kernel_jobs(arch, args.dtypes, args.head_dims, causals, args.passes)[0])
+        print(f"export: {kernels} kernels for {arch} in {min(args.jobs, kernels)} processes", file=sys.stderr,
+              flush=True)
+        progress = Progress("export", kernels)
+        done = export_library(args.out, arch, args.dtypes, args.head_dims, causals, args.passes, args.runtime,
+                              args.jobs, args.cc, args.cudart_static, progress=progress.advance)
+    except (ExportError, CuteFlashError) as exc:
+        if progress is not None:
+            progress.clear()
+        print(f"cute-flash export: error: {exc}", file=sys.stderr)
+        return 1
+    progress.clear()
+    print(f"{done.library} and {done.header}: {done.kernels} kernels ({done.seconds:.0f} s); "
+          f"link with -L{done.library.parent} -lcute_flash -Wl,-rpath,{done.library.parent}", flush=True)
+    return 0
+
+
+def _add_export_parser(sub) -> None:
+    from pathlib import Path
+
+    from .export import RUNTIMES
+
+    p = sub.add_parser("export", help="build libcute_flash.so and cute_flash.h, a C ABI (docs/api.md)")
+    p.add_argument("--arch", type=arch_arg, default=None,
+                   help="compile target: sm_80 (A100 and other sm_8x), sm_90a (H100), ... (default: the visible GPU)")
+    p.add_argument("--dtypes", type=comma_list(dtype_arg), default="bf16,fp16",
+                   help="comma list of bf16 (bfloat16), fp16 (float16, half); default: both")
+    p.add_argument("--head-dims", type=comma_list(head_dim_arg), default="64,128",
+                   help="comma list of multiples of 8 up to 256; default: 64,128")
+    p.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default="both",
+                   help="causal variants, non-causal ones or both (default)")
+    p.add_argument("--passes", type=comma_list(pass_arg), default="fwd,bwd", help="fwd, bwd or fwd,bwd (default)")
+    p.add_argument("--runtime", choices=RUNTIMES, default="shared",
+                   help="shared: libcute_dsl_runtime.so copied next to the library (default); static: the DSL's "
+                        "static runtime and the toolkit's libcudart_static.a linked in")
+    p.add_argument("--cudart-static", type=Path, default=None,
+                   help="libcudart_static.a for --runtime static (default: from CUDA_HOME, CUDA_PATH or /usr/local/cuda)")
+    p.add_argument("--cc", default=None, help="C compiler (default: $CC or cc)")
+    p.add_argument("--jobs", type=jobs_arg, default=os.cpu_count() or 2,
+                   help="compiles at once (default: one per CPU core)")
+    p.add_argument("-o", "--out", type=Path, required=True, help="folder for the library, the header and build/")
+
+
 def build_parser() -> ArgumentParser:
     parser = ArgumentParser(prog="cute-flash", description=__doc__)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -434,6 +489,7 @@ def build_parser() -> ArgumentParser:
     p.add_argument("--compile", action="store_true", help="also compile: ptxas's registers and spills")
     p.add_argument("--docs", metavar="DIR", help="regenerate the reports and pictures docs/layouts.md embeds "
                                                  "(cute-flash layouts --docs docs/layouts) and nothing else")
+    _add_export_parser(sub)
     sub.add_parser("bench", help="run a benchmark suite (see cute-flash bench --help)")
     sub.add_parser("dashboard", help="render benchmark results into plots (see cute-flash dashboard --help)")
     return parser
@@ -450,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup, "layouts": cmd_layouts}[args.command](args)
+        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup, "export": cmd_export}[args.command](args)
     except UsageError as exc:
         print(f"cute-flash {args.command}: error: {exc}", file=sys.stderr)
         return 2

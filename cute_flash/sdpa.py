@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import fallback
 from .errors import CudaError, MissingDependencyError
 from .validate import kernel_support_issue
 
@@ -157,9 +158,12 @@ def _register() -> None:
 
 def activate() -> None:
     """Route SDPA's flash backend to cute-flash for the rest of the process (until `deactivate`).
-    Replaces whichever flash implementation was active (torch's own, FA3, FA4)."""
+    Replaces whichever flash implementation was active (torch's own, FA3, FA4). On a GPU older than
+    sm_80 torch never calls its flash backend, so SDPA keeps its memory-efficient one: a warning says
+    so once."""
     _register()
     torch.nn.attention.activate_flash_attention_impl(IMPL_NAME)
+    fallback.warn_if_current_gpu_is_older(fallback.SDPA_FALLBACK)
 
 
 def deactivate() -> None:
