@@ -505,8 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup, "layouts": cmd_layouts}[args.command](args)
-        return {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup, "export": cmd_export}[args.command](args)
+        commands = {"info": cmd_info, "check": cmd_check, "warmup": cmd_warmup, "layouts": cmd_layouts,
+                    "export": cmd_export}
+        return commands[args.command](args)
     except UsageError as exc:
         print(f"cute-flash {args.command}: error: {exc}", file=sys.stderr)
         return 2

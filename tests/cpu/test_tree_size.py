@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# 64 MiB less the bundle with flash-attn-4 (64,830,777 bytes, 2026-11-24) and room for a run's
-# untracked scratch.
-TREE_BUDGET_BYTES = 2_200_000
+# 64 MiB less the bundle with flash-attn-4 (64,833,829 bytes, 2026-11-27) and 25 KB for a run's
+# carried scratch.
+TREE_BUDGET_BYTES = 2_250_000
 
 
 def test_tracked_tree_leaves_room_for_the_gpu_bundle():
