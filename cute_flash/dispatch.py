@@ -37,8 +37,8 @@ def cutlass_dtype(dtype: torch.dtype):
 
 @dataclass(frozen=True)
 class Plan:
-    """One kernel to compile: its class, its compile-time configuration (a frozen configuration
-    object, or for the sm80 kernels their sorted keyword arguments) and its fake arguments."""
+    """One kernel to compile: its class, its compile-time configuration (a frozen dataclass:
+    kernels/sm90/config.py, kernels/sm80/config.py) and its fake arguments."""
 
     kernel_cls: type
     config: Any
@@ -57,21 +57,13 @@ class Plan:
 
     def settings(self) -> dict:
         """The configuration as a dict of its fields."""
-        if dataclasses.is_dataclass(self.config):
-            return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
-        return dict(self.config)
+        return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
 
     def build(self):
-        kernel = (self.kernel_cls(self.config) if dataclasses.is_dataclass(self.config)
-                  else self.kernel_cls(**dict(self.config)))
-        return kernel, self.fake_args
+        return self.kernel_cls(self.config), self.fake_args
 
     def compiled(self):
         return cache.get_or_compile(self.key, self.build, self.arch)
-
-
-def _sorted_kwargs(**kwargs) -> tuple:
-    return tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
 
 
 # Length classes, the only way lengths reach a compile key: the Hopper forward picks other launch
@@ -125,12 +117,13 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
         config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms)
         if config is not None:
             return Plan(FlashAttnFwdSm90, config, fake_forward_args(cdtype, head_dim, True), arch)
+    from .kernels.sm80.config import Sm80FwdConfig
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 
     tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal)
     if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
-    return Plan(FlashAttnFwdSm80, _sorted_kwargs(dtype=cdtype, head_dim=head_dim, causal=causal, **tiles),
+    return Plan(FlashAttnFwdSm80, Sm80FwdConfig(cdtype, head_dim, causal, **tiles),
                 fake_forward_args(cdtype, head_dim, False), arch)
 
 
@@ -156,6 +149,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     own target, whose register allocation the tiles depend on). With GQA the main kernel writes
     per-query-head fp32 dK / dV that the launcher sums per group."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
+    from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
     from .kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 
@@ -173,12 +167,11 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                 fake_rowstat(), fake_stream())
     post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
     return BackwardPlan(
-        pre=Plan(FlashAttnBwdPreprocessSm80, _sorted_kwargs(dtype=cdtype, head_dim=head_dim), pre_args, arch),
-        main=Plan(FlashAttnBwdSm80, _sorted_kwargs(dtype=cdtype, head_dim=head_dim, causal=causal,
-                                                   deterministic=deterministic, **tiles), main_args, arch,
-                  signature=(("dkv_dtype", dkv_dtype),)),
+        pre=Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim), pre_args, arch),
+        main=Plan(FlashAttnBwdSm80, Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles), main_args,
+                  arch, signature=(("dkv_dtype", dkv_dtype),)),
         post=Plan(FlashAttnBwdPostprocessSm80,
-                  _sorted_kwargs(dtype=cdtype, head_dim=head_dim, m_block_size=tiles["m_block_size"],
-                                 atom_m_dq=tiles["atom_m_dq"], dq_chunks=tiles["dq_chunks"]), post_args, arch),
+                  Sm80BwdPostConfig(cdtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"], tiles["dq_chunks"]),
+                  post_args, arch),
         gqa=gqa, deterministic=deterministic,
     )

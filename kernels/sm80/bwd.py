@@ -47,6 +47,7 @@ from cute_flash.kernels.common.layouts import (
 )
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
+from cute_flash.kernels.sm80.config import Sm80BwdConfig
 
 SMEM_CAPACITY_SM80 = 163 * 1024
 SMEM_CAPACITY_SM90 = 227 * 1024  # the H100 runs this kernel too, with its larger opt-in smem
@@ -80,34 +81,21 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
 class FlashAttnBwdSm80:
     num_threads = 256
 
-    def __init__(
-        self,
-        dtype,
-        head_dim: int,
-        causal: bool,
-        deterministic: bool = False,
-        m_block_size: int = 64,
-        n_block_size: int = 128,
-        num_stages_Q: int = 2,
-        num_stages_dO: int = 1,
-        atom_m_sdp: int = 2,
-        atom_n_dkv: int = 4,
-        atom_m_dq: int = 4,
-        p_in_registers: bool = False,
-        dq_chunks: int = 1,
-    ):
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.head_dim_padded = round_up(head_dim, 32)
-        self.causal = causal
-        self.deterministic = deterministic
-        self.m_block_size = m_block_size
-        self.n_block_size = n_block_size
-        self.num_stages_Q = num_stages_Q
-        self.num_stages_dO = num_stages_dO
-        self.atom_m_sdp = atom_m_sdp
-        self.atom_n_dkv = atom_n_dkv
-        self.atom_m_dq = atom_m_dq
+    def __init__(self, config: Sm80BwdConfig):
+        self.cfg = config
+        self.dtype = config.dtype
+        self.head_dim = config.head_dim
+        self.head_dim_padded = round_up(config.head_dim, 32)
+        self.causal = config.causal
+        self.deterministic = deterministic = config.deterministic
+        self.m_block_size = config.m_block_size
+        self.n_block_size = config.n_block_size
+        self.num_stages_Q = config.num_stages_Q
+        self.num_stages_dO = config.num_stages_dO
+        self.atom_m_sdp = config.atom_m_sdp
+        self.atom_n_dkv = config.atom_n_dkv
+        self.atom_m_dq = config.atom_m_dq
+        p_in_registers, dq_chunks = config.p_in_registers, config.dq_chunks
         # The ordered dQ semaphore (deterministic) takes the registers the fp32 P needs: 16-24
         # bytes of spill at d64 causal.
         self.p_in_registers = p_in_registers and not deterministic

@@ -19,6 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import gmem_tiled_copy, round_up, smem_layout_atom
+from cute_flash.kernels.sm80.config import Sm80BwdPostConfig
 from cute_flash.kernels.sm80.bwd import (
     FlashAttnBwdSm80, dq_accum_offset, stage_acc_in_smem, store_smem_tile, tiled_mma_sm80,
 )
@@ -27,7 +28,10 @@ from cute_flash.kernels.sm80.bwd import (
 class FlashAttnBwdPostprocessSm80:
     num_threads = FlashAttnBwdSm80.num_threads
 
-    def __init__(self, dtype, head_dim: int, m_block_size: int, atom_m_dq: int, dq_chunks: int = 1):
+    def __init__(self, config: Sm80BwdPostConfig):
+        self.cfg = config
+        dtype, head_dim, m_block_size = config.dtype, config.head_dim, config.m_block_size
+        atom_m_dq, dq_chunks = config.atom_m_dq, config.dq_chunks
         assert head_dim % 8 == 0 and head_dim <= 256
         self.dtype = dtype
         self.head_dim = head_dim

@@ -19,6 +19,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from ..common.softmax import LOG2_E
+from .config import Sm80BwdPreConfig
 
 
 class FlashAttnBwdPreprocessSm80:
@@ -26,7 +27,9 @@ class FlashAttnBwdPreprocessSm80:
     rows_per_cta = 32
     vec = 8  # 128-bit loads of 16-bit elements
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, config: Sm80BwdPreConfig):
+        self.cfg = config
+        dtype, head_dim = config.dtype, config.head_dim
         assert head_dim % 8 == 0 and head_dim <= 256
         self.dtype = dtype
         self.head_dim = head_dim

@@ -37,6 +37,7 @@ from ..common.layouts import (
 )
 from ..common.mask import apply_mask
 from ..common.softmax import LOG2_E, OnlineSoftmax
+from .config import Sm80FwdConfig
 
 SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
 
@@ -85,16 +86,10 @@ def gemm_sm80(
 
 
 class FlashAttnFwdSm80:
-    def __init__(
-        self,
-        dtype: type[cutlass.Numeric],
-        head_dim: int,
-        causal: bool,
-        tile_m: int = 128,
-        tile_n: int = 64,
-        num_warps: int = 4,
-        num_stages: int = 2,
-    ):
+    def __init__(self, config: Sm80FwdConfig):
+        self.cfg = config
+        dtype, head_dim, causal = config.dtype, config.head_dim, config.causal
+        tile_m, tile_n, num_warps, num_stages = config.tile_m, config.tile_n, config.num_warps, config.num_stages
         self.dtype = dtype
         self.head_dim = head_dim
         # mma k-steps are 16 wide and the swizzled smem rows 32 or 64 elements: pad head_dim

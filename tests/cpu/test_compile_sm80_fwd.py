@@ -6,6 +6,7 @@ import cutlass
 
 from cute_flash.compile_report import compile_report
 from cute_flash.tensors import fake_bshd, fake_rowstat, fake_stream
+from cute_flash.kernels.sm80.config import Sm80FwdConfig
 from cute_flash.kernels.sm80.fwd import FlashAttnFwdSm80
 
 # (dtype, head_dim, causal): both dtypes, small / odd (72 -> padded to 96) / large head dims
@@ -30,7 +31,7 @@ def _sm80_target(monkeypatch):
 def test_sm80_fwd_compiles_without_spills(dtype, head_dim, causal):
     tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
     assert FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, **tiles)
-    kernel = FlashAttnFwdSm80(dtype, head_dim, causal, **tiles)
+    kernel = FlashAttnFwdSm80(Sm80FwdConfig(dtype, head_dim, causal, **tiles))
     args = [fake_bshd(dtype, head_dim) for _ in range(4)]
     args += [fake_rowstat(), cutlass.Float32(1.0), fake_stream()]
     report = compile_report(kernel, args, arch="sm_80")

@@ -1,0 +1,56 @@
+"""The sm80 kernels' compile-time configurations: one frozen object per compiled kernel.
+
+Dispatch (cute_flash/dispatch.py) builds them from the kernels' pure tile rules
+(`FlashAttnFwdSm80.default_tiles`, `FlashAttnBwdSm80.default_tiles`), and a configuration is its
+plan's compile-cache key. The backward's preprocess and postprocess kernels take only what
+changes their code, so one of them serves every causal and deterministic variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+
+
+@dataclass(frozen=True)
+class Sm80FwdConfig:
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    causal: bool
+    tile_m: int = 128  # query rows per CTA
+    tile_n: int = 64  # keys per K/V block
+    num_warps: int = 4  # stacked along M
+    num_stages: int = 2  # K/V buffers
+
+
+@dataclass(frozen=True)
+class Sm80BwdConfig:
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    causal: bool
+    deterministic: bool = False  # dQ accumulated in a fixed order (a semaphore per query block)
+    m_block_size: int = 64  # query rows per inner step
+    n_block_size: int = 128  # keys per CTA
+    num_stages_Q: int = 2
+    num_stages_dO: int = 1
+    atom_m_sdp: int = 2  # warp layouts of the S/dP, dK/dV and dQ GEMMs
+    atom_n_dkv: int = 4
+    atom_m_dq: int = 4
+    p_in_registers: bool = False  # dS from the fp32 P kept in registers, not the 16-bit P in smem
+    dq_chunks: int = 1  # dQ computed in this many column chunks of head_dim
+
+
+@dataclass(frozen=True)
+class Sm80BwdPreConfig:
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class Sm80BwdPostConfig:
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    m_block_size: int
+    atom_m_dq: int
+    dq_chunks: int = 1
