@@ -62,7 +62,7 @@ def round_medians(times_ms: list[float], round_ends: Mapping[int, int], rounds: 
 def carryover_balanced_orders(n: int) -> list[list[int]]:
     """Orders of methods 0..n-1 in which each method takes each place equally often and follows
     every other method equally often (a Williams design: n orders for even n, 2n for odd n).
-    A method timed right after a slower one runs a few percent fast (perf/NOTES.md, session 14);
+    A method timed right after a slower one runs a few percent fast (perf/NOTES.md, 2026-11-23);
     with orders drawn at random, 10 rounds of three methods let one method follow the slowest
     one in 2 rounds and another in 6 often enough to move a ratio by a percent."""
     first, low, high = [0], 1, n - 1
@@ -250,7 +250,7 @@ def _calls_in_round(reps: int, rounds: int, i_round: int) -> int:
     """A method's `reps` calls spread evenly over all rounds, so that every method runs in every
     round. Filling rounds in turn instead left a method with fewer calls out of the last round,
     which ran 5-15% slower for every method at 8k-16k keys (the GPU heats over a cell), and so
-    compared the methods on different rounds (session 24)."""
+    compared the methods on different rounds (2026-11-24)."""
     return reps * (i_round + 1) // rounds - reps * i_round // rounds
 
 
