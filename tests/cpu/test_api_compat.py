@@ -15,6 +15,8 @@ from cute_flash.flash_attn_interface import flash_attn_func, flash_attn_kvpacked
 
 from .reference_kernels import install
 
+from .typed_errors import expect
+
 # flash-attn 2's signatures (flash_attn/flash_attn_interface.py): name, default, in order.
 FLASH_ATTN_OPTIONS = [("dropout_p", 0.0), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
                       ("softcap", 0.0), ("alibi_slopes", None), ("deterministic", False),
@@ -54,14 +56,6 @@ def qkv(b=2, sq=5, sk=7, h=4, hkv=2, d=8, dtype=torch.float32, grad=False):
 @pytest.fixture
 def kernels(monkeypatch):
     return install(monkeypatch)
-
-
-def expect(code, exc_type, fn, *args, **kwargs):
-    with pytest.raises(exc_type) as info:
-        fn(*args, **kwargs)
-    assert isinstance(info.value, cute_flash.CuteFlashError)
-    assert info.value.code == code
-    return str(info.value)
 
 
 def test_flash_attn_positional_call_is_dropout_then_scale(kernels):

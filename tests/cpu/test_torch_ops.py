@@ -47,36 +47,11 @@ def test_flash_attn_func_validates_scale_before_the_op():
 def test_autograd_wiring_with_reference_kernels(monkeypatch):
     """flash_attn_func's autograd, run on the CPU with the float64 reference standing in for the
     kernels: gradients reach q, k, v through the backward op, lse carries none."""
-    from cute_flash import api, reference_attention
-    from cute_flash.reference import causal_allowed
+    from cute_flash import reference_attention
 
-    def forward(q, k, v, *, softmax_scale, causal):
-        out, lse = reference_attention(q, k, v, softmax_scale=softmax_scale, causal=causal)
-        return out.to(q.dtype), lse.float()
+    from .reference_kernels import install
 
-    def backward(dout, q, k, v, out, lse, *, softmax_scale, causal, deterministic):
-        # FlashAttention-2's backward equations in float64 (custom ops run below autograd, so the
-        # stand-in cannot differentiate the reference itself).
-        group = q.shape[2] // k.shape[2]
-        qh, doh = (t.double().transpose(1, 2) for t in (q, dout))
-        kh, vh = (t.double().transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
-        scores = qh @ kh.transpose(-1, -2) * softmax_scale
-        if causal:
-            scores = scores.masked_fill(~causal_allowed(q.shape[1], k.shape[1]), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        dp = doh @ vh.transpose(-1, -2)
-        ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
-        dq = (ds @ kh) * softmax_scale
-        dk, dv = (ds.transpose(-1, -2) @ qh) * softmax_scale, probs.transpose(-1, -2) @ doh
-
-        def per_kv_head(t):
-            b, h, s_, d = t.shape
-            return t.view(b, h // group, group, s_, d).sum(2).transpose(1, 2).to(q.dtype)
-
-        return dq.transpose(1, 2).to(q.dtype), per_kv_head(dk), per_kv_head(dv)
-
-    monkeypatch.setattr(api, "forward", forward)
-    monkeypatch.setattr(api, "backward", backward)
+    install(monkeypatch)
     q = torch.randn(1, 5, 4, 8, dtype=torch.float32, requires_grad=True)
     k = torch.randn(1, 7, 2, 8, dtype=torch.float32, requires_grad=True)
     v = torch.randn(1, 7, 2, 8, dtype=torch.float32, requires_grad=True)

@@ -11,17 +11,11 @@ import cute_flash
 from cute_flash import ErrorCode
 from cute_flash.validate import check_device
 
+from .typed_errors import expect
+
 
 def qkv(b=2, sq=16, sk=16, h=4, hkv=4, d=64, dtype=torch.float16):
     return (torch.randn(b, sq, h, d).to(dtype), torch.randn(b, sk, hkv, d).to(dtype), torch.randn(b, sk, hkv, d).to(dtype))
-
-
-def expect(code, exc_type, fn, *args, **kwargs):
-    with pytest.raises(exc_type) as info:
-        fn(*args, **kwargs)
-    assert isinstance(info.value, cute_flash.CuteFlashError)
-    assert info.value.code == code
-    return str(info.value)
 
 
 def test_error_codes_match_c_abi():
