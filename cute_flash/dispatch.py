@@ -135,7 +135,7 @@ class BackwardPlan:
     pre: Plan
     main: Plan
     post: Plan
-    gqa: bool
+    gqa: bool  # the main kernel writes per-query-head fp32 dK / dV, summed per group by the launcher
     deterministic: bool
 
     @property
@@ -145,9 +145,11 @@ class BackwardPlan:
 
 def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                   deterministic: bool = False, gqa: bool = False) -> BackwardPlan:
-    """The backward kernels for this GPU: the sm80 family's on every GPU (compiled for the GPU's
-    own target, whose register allocation the tiles depend on). With GQA the main kernel writes
-    per-query-head fp32 dK / dV that the launcher sums per group."""
+    """The backward kernels for this GPU: on sm_90 the Hopper backward where its configuration
+    covers the head dim (it sums GQA groups itself), else the sm80 family's (compiled for the GPU's
+    own target, whose register allocation the tiles depend on), whose main kernel writes
+    per-query-head fp32 dK / dV under GQA that the launcher sums per group. Both share the sm80
+    preprocess."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
     from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
@@ -155,6 +157,29 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
 
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
+    pre_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(),
+                fake_rowstat(), fake_stream())
+    post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
+    pre = Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim), pre_args, arch)
+    if kernel_family(capability) == "sm90":
+        from .kernels.sm90.bwd import FlashAttnBwdSm90
+        from .kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
+        from .kernels.sm90.config import Sm90BwdPostConfig, backward_config
+
+        config = backward_config(cdtype, head_dim, causal, deterministic)
+        if config is not None:
+            main_args = (
+                fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
+                fake_bshd(cdtype, head_dim), fake_rowstat(align=16), fake_rowstat(align=16), fake_dq_accum(),
+                fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_semaphore(),
+                cutlass.Float32(1.0), fake_stream(),
+            )
+            return BackwardPlan(
+                pre=pre, main=Plan(FlashAttnBwdSm90, config, main_args, arch),
+                post=Plan(FlashAttnBwdPostprocessSm90, Sm90BwdPostConfig(cdtype, head_dim, config.m_block_size),
+                          post_args, arch),
+                gqa=False, deterministic=deterministic,
+            )
     tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = (
@@ -163,11 +188,8 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
         fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
         cutlass.Float32(1.0), fake_stream(),
     )
-    pre_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(),
-                fake_rowstat(), fake_stream())
-    post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
     return BackwardPlan(
-        pre=Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim), pre_args, arch),
+        pre=pre,
         main=Plan(FlashAttnBwdSm80, Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles), main_args,
                   arch, signature=(("dkv_dtype", dkv_dtype),)),
         post=Plan(FlashAttnBwdPostprocessSm80,

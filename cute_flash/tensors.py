@@ -32,11 +32,13 @@ def fake_bshd(dtype: type[cutlass.Numeric], head_dim: int) -> cute.Tensor:
     return make_fake_tensor(dtype, shape, stride, assumed_align=VECTOR_BYTES)
 
 
-def fake_rowstat(dtype: type[cutlass.Numeric] = cutlass.Float32) -> cute.Tensor:
-    """A (batch, nheads, seqlen) per-row statistic such as the log-sum-exp."""
+def fake_rowstat(dtype: type[cutlass.Numeric] = cutlass.Float32, align: int = 4) -> cute.Tensor:
+    """A (batch, nheads, seqlen) per-row statistic such as the log-sum-exp. `align` 16: a
+    row-padded buffer the launcher allocates (TMA reads it: 16-byte base and strides)."""
     shape = (_sym_extent(), _sym_extent(), _sym_extent())
-    stride = (cute.sym_int64(), cute.sym_int64(), 1)
-    return make_fake_tensor(dtype, shape, stride, assumed_align=4)
+    divisibility = {} if align == 4 else dict(divisibility=align // 4)
+    stride = (cute.sym_int64(**divisibility), cute.sym_int64(**divisibility), 1)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=align)
 
 
 def fake_tail_split_workspace(head_dim: int) -> tuple[cute.Tensor, cute.Tensor, cute.Tensor]:

@@ -259,3 +259,65 @@ def _length_settings(dtype, head_dim: int, causal: bool, length: str, num_sms: i
         if not causal or short:
             config["q_stages"] = 2
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper backward (kernels/sm90/bwd.py, bwd_post.py)
+
+# Head dims the Hopper backward implements; the others run the sm80 backward.
+BWD_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class Sm90BwdConfig:
+    """One Hopper backward kernel: a CTA owns n_block_size keys of one KV head and walks the
+    query blocks (m_block_size rows) of every query head that reads it."""
+
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    causal: bool
+    deterministic: bool = False  # dQ added in n_block order (a semaphore per query block)
+    m_block_size: int = 64  # query rows per step
+    n_block_size: int = 128  # keys per CTA: 64 per MMA warp group
+    q_stages: int = 2  # Q (with its LSE) and dO (with its D) buffers in flight
+    register_split: tuple[int, int] = (24, 240)  # setmaxnreg: producer warp group, MMA warp groups
+
+    num_wg_mma = 2
+
+    @property
+    def num_mma_threads(self) -> int:
+        return 128 * self.num_wg_mma
+
+    @property
+    def num_threads(self) -> int:
+        return self.num_mma_threads + 128
+
+@dataclass(frozen=True)
+class Sm90BwdPostConfig:
+    """The postprocess reads dQ's fp32 sums in the main kernel's accumulator order."""
+
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    m_block_size: int
+
+
+def dq_atom_layout(m_block_size: int) -> tuple[int, int, int]:
+    """How the two MMA warp groups share dQ = dS K: by rows when the query block has 64 rows per
+    group, else by columns (head_dim halves)."""
+    by_rows = m_block_size // 64
+    return (by_rows, Sm90BwdConfig.num_wg_mma // by_rows, 1)
+
+
+def backward_smem_bytes(config: Sm90BwdConfig) -> int:
+    m, n, d, stages = config.m_block_size, config.n_block_size, config.head_dim, config.q_stages
+    tiles = 2 * (2 * stages * m * d + 2 * n * d + stages * m * n)  # Q, dO; K, V; dS (16-bit)
+    return tiles + 4 * m * d + 2 * 4 * stages * m + 1024  # dQ staging (fp32), LSE and D, barriers
+
+
+def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool) -> Sm90BwdConfig | None:
+    """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
+    if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
+        return None
+    config = Sm90BwdConfig(dtype, head_dim, causal, deterministic)
+    assert backward_smem_bytes(config) <= SMEM_BYTES
+    return config

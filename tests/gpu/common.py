@@ -220,8 +220,19 @@ def assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=None):
 SM90_FORWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 """Head dims whose fp16/bf16 forward the sm90 kernels serve on an sm_90 GPU (README, dispatch)."""
 
-BACKWARD_FAMILY = "sm80"
-"""Every backward runs the sm80 kernels today."""
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
+"""Head dims whose fp16/bf16 backward the sm90 kernels serve on an sm_90 GPU (dispatch)."""
+
+SHARED_KERNELS = ("FlashAttnBwdPreprocessSm80",)
+"""Kernels both families use (the backward's preprocess): no family's mark."""
+
+
+def expected_backward_family(head_dim: int) -> str:
+    forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
+    if forced:
+        return forced
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    return "sm90" if hopper and head_dim in SM90_BACKWARD_HEAD_DIMS else "sm80"
 
 
 def expected_forward_family(head_dim: int) -> str:
@@ -232,8 +243,11 @@ def expected_forward_family(head_dim: int) -> str:
     return "sm90" if hopper and head_dim in SM90_FORWARD_HEAD_DIMS else "sm80"
 
 
-def family_of(key) -> str:
-    """'sm90' or 'sm80' from a compile key (the kernel's module path or the backward's tag)."""
+def family_of(key) -> str | None:
+    """'sm90' or 'sm80' from a compile key (the kernel's module path or the backward's tag); None
+    for a kernel both families share (SHARED_KERNELS)."""
+    if any(name in repr(key) for name in SHARED_KERNELS):
+        return None
     text = repr(key).lower()
     families = [name for name in ("sm90", "sm80") if name in text]
     return families[0] if len(families) == 1 else f"unknown ({key!r})"
@@ -266,9 +280,13 @@ def kernels_used():
             module.get_or_compile = real
 
 
+def families_of(keys) -> set:
+    return {family_of(key) for key in keys} - {None}
+
+
 def assert_served_by(keys, family: str):
     assert keys, "no kernel lookup recorded: clear_launchers() in tests/gpu/common.py misses a memo"
-    families = {family_of(key) for key in keys}
+    families = families_of(keys)
     assert families == {family}, f"expected the {family} kernels, the call used {sorted(families)}: {keys}"
 
 
@@ -295,7 +313,7 @@ def run_backward(q, k, v, dout, causal, deterministic=False, softmax_scale=None)
     with served_by(expected_forward_family(q.shape[-1])):
         out, lse = cute_flash.forward(q, k, v, causal=causal, softmax_scale=softmax_scale)
     grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    with served_by(BACKWARD_FAMILY):
+    with served_by(expected_backward_family(q.shape[-1])):
         dq, dk, dv = cute_flash.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
                                          softmax_scale=softmax_scale, causal=causal, deterministic=deterministic)
     assert dq is grads[0] and dk is grads[1] and dv is grads[2]

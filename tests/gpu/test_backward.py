@@ -8,11 +8,11 @@ import torch
 import cute_flash
 
 from .common import (
-    BACKWARD_FAMILY,
     assert_backward_accurate,
     backward_determinism_flags,
+    expected_backward_family,
     expected_forward_family,
-    family_of,
+    families_of,
     kernels_used,
     randn,
     run_backward,
@@ -82,7 +82,7 @@ def test_non_contiguous_inputs_and_gradient_outputs(causal):
     dq = torch.full((2, 4, 200, 128), float("nan"), device="cuda", dtype=torch.float16).transpose(1, 2)
     dk = torch.full((2, 4, 190, 128), float("nan"), device="cuda", dtype=torch.float16).transpose(1, 2)
     dv = torch.full_like(v, float("nan"))
-    with served_by(BACKWARD_FAMILY):
+    with served_by(expected_backward_family(128)):
         cute_flash.backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, causal=causal)
     assert_backward_accurate((dq, dk, dv), dout, q, k, v, causal)
 
@@ -149,7 +149,7 @@ def test_autograd_through_flash_attn_func():
     dout = randn(2, 257, 4, 64, dtype=torch.bfloat16)
     with kernels_used() as keys, backward_determinism_flags() as flags:
         grads = autograd_grads(q, k, v, dout, True)
-    assert {family_of(key) for key in keys} == {expected_forward_family(64), BACKWARD_FAMILY}
+    assert families_of(keys) == {expected_forward_family(64), expected_backward_family(64)}
     assert flags == [False]
     assert_backward_accurate(grads, dout, q, k, v, True)
 

@@ -8,10 +8,10 @@ import torch
 import cute_flash
 
 from .common import (
-    BACKWARD_FAMILY,
     assert_backward_accurate,
     assert_counters_at_zero,
     assert_forward_accurate,
+    expected_backward_family,
     randn,
     run_forward,
     served_by,
@@ -94,7 +94,7 @@ def test_backward_repeats_bit_for_bit(batch, seqlen, nheads, nheads_kv, head_dim
                             deterministic=deterministic)
 
     first = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    with served_by(BACKWARD_FAMILY):
+    with served_by(expected_backward_family(head_dim)):
         backward_into(first)
     assert_backward_accurate(first, dout, q, k, v, causal)
     exact = first if deterministic else first[1:]

@@ -1,0 +1,462 @@
+"""FlashAttention backward for Hopper (sm_90a): TMA loads, wgmma, warp specialization.
+
+FlashAttention-2 Algorithm 2, mapped onto Hopper. A CTA owns one block of n_block_size keys of
+one KV head (the outer loop of Algorithm 2) and keeps dK, dV for it in registers; it walks the
+query blocks of every query head that reads this KV head (GQA sums in place, no workspace):
+
+* Warp group 0 is the producer. Warp 0 loads K and V once, then Q with its LSE (log2) and dO with
+  its D = rowsum(dO * O) per query block, by TMA into `q_stages`-deep rings guarded by mbarriers
+  (`cutlass.pipeline.PipelineTmaAsync`). Warp 1 adds each query block's dQ from shared memory into
+  the fp32 dQ sums in global memory with one bulk reduce (`cp.reduce.async.bulk`); with
+  `deterministic` it first waits for the key blocks before it (a semaphore per query block).
+* Warp groups 1 and 2 compute; each owns 64 of the keys. Per query block, in this order:
+      S^T  = K Q^T               wgmma, both operands in smem (keys are the rows: "transposed")
+      dP^T = V dO^T              wgmma
+      P^T  = exp2(S^T * scale * log2(e) - LSE)       causal mask on diagonal blocks only
+      dS^T = P^T * (dP^T - D)
+      dV  += P^T dO              wgmma, P^T straight from registers
+      dK  += dS^T Q              wgmma, dS^T straight from registers
+      dQ   = dS K                wgmma, dS from smem (both groups' keys), handed to warp 1
+  Computing S and dP transposed makes P^T and dS^T land in the register layout of the dV and dK
+  GEMMs' A operand, so neither goes through shared memory for them.
+* Epilogue: dK (times the softmax scale) and dV are converted, staged in K's and V's smem and
+  stored by TMA, which clips rows past seqlen_k.
+
+Rows past seqlen_q need no mask: TMA fills their Q and dO with zeros and the preprocess gives
+them LSE = +inf and D = 0, so their P and dS are 0. Keys past seqlen_k are zero rows of K and V:
+they add nothing to dQ, and their dK, dV rows are never stored. The postprocess
+(kernels/sm90/bwd_post.py) scales dQ's sums and converts them to the input dtype.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.experimental.primitives import cp_reduce_async_bulk_global_shared_cta
+from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType
+from cutlass.tensor_utils.layout import LayoutEnum
+
+from ..common.blocks import BlockRanges
+from ..common.layouts import reshape_acc_to_mn, transpose_view
+from ..common.packed16 import convert_f32_to_16bit
+from ..common.softmax import LOG2_E
+from ..sm80.bwd import stage_acc_in_smem
+from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
+from .primitives import gemm
+
+# Named barriers (0 is __syncthreads): both MMA groups' dS is in smem; the dQ staging buffer is
+# free / full (MMA warp groups and the dQ warp); the epilogue's smem reuse.
+DS_READY_BARRIER = 1
+DQ_EMPTY_BARRIER = 2
+DQ_FULL_BARRIER = 3
+EPILOGUE_BARRIER = 4
+
+
+def dq_tiled_mma(config) -> cute.TiledMma:
+    """dQ = dS K: A = dS (m, n) with m contiguous, B = K viewed as (d, n) with d contiguous. The
+    postprocess rebuilds it to read dQ's sums back in accumulator order."""
+    atoms = dq_atom_layout(config.m_block_size)
+    return sm90_utils.make_trivial_tiled_mma(
+        config.dtype, config.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+        atom_layout_mnk=atoms, tiler_mn=(64, config.head_dim // atoms[1]),
+    )
+
+
+def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.Tensor:
+    """Thread `thread`'s accumulator elements in a flat fp32 dQ tile, 4 at a time: element e at
+    (e // 4) * 4 * num_threads + 4 * thread + e % 4. Both the smem staging buffer and the global
+    sums use this order, so every transfer is a conflict-free or coalesced 16-byte vector."""
+    vectors = cute.size(sdQ) // (4 * num_threads)
+    threads = cute.make_tensor(
+        sdQ.iterator, cute.make_layout(((4, num_threads), vectors), stride=((1, 4), 4 * num_threads))
+    )
+    return threads[(None, thread), None]
+
+
+class FlashAttnBwdSm90:
+    """Hopper backward for one configuration (config.py: Sm90BwdConfig). See the module docstring."""
+
+    def __init__(self, config: Sm90BwdConfig):
+        self.cfg = config
+
+    def smem_bytes(self, **_) -> int:
+        return backward_smem_bytes(self.cfg)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        stream: cuda.CUstream,
+    ):
+        """The sm80 backward's arguments (kernels/sm80/bwd.py), so one launcher serves both:
+        mLSElog2, mdPsum (batch, heads, rows padded) from the preprocess; mdQaccum (batch, heads,
+        m_blocks * m_block_size * head_dim) fp32 zeros; mdK, mdV (batch, seqlen_k, heads_kv, d) in
+        the input dtype; mdQsemaphore (batch, heads, m_blocks) int32 zeros when deterministic."""
+        cfg = self.cfg
+        m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
+        # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch); row statistics -> (rows, heads, batch).
+        mQ, mK, mV, mdO, mdK, mdV = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0])) for t in (mQ, mK, mV, mdO, mdK, mdV)
+        ]
+        mLSElog2, mdPsum = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSElog2, mdPsum)
+        ]
+
+        # Keys are the M dimension of S^T, dP^T, dV and dK: one warp group per 64 keys.
+        tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
+            cfg.dtype, cfg.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(cfg.num_wg_mma, 1, 1), tiler_mn=(64, m),
+        )
+        tiled_mma_dKV = sm90_utils.make_trivial_tiled_mma(
+            cfg.dtype, cfg.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(cfg.num_wg_mma, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM,
+        )
+        tiled_mma_dQ = dq_tiled_mma(cfg)
+
+        # One swizzled buffer per operand, read in both orientations: Q and dO (m, d) are the
+        # K-major B of S^T / dP^T and, transposed, the MN-major B of dK / dV; K (n, d) is the
+        # K-major A of S^T and, transposed, the MN-major B of dQ; dS (m, n) is stored m-major.
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (m, n, d), cfg.dtype, cfg.q_stages)
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (n, m, d), cfg.dtype, 1)
+        sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (m, d, n), cfg.dtype, cfg.q_stages)
+        sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
+        sK_tile = cute.slice_(sK_layout, (None, None, 0))
+        stat_layout = cute.make_layout((m, cfg.q_stages))
+
+        tma_atom_Q, tma_Q = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mQ, sQ_tile, (m, d))
+        tma_atom_dO, tma_dO = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mdO, sQ_tile, (m, d))
+        tma_atom_K, tma_K = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mK, sK_tile, (n, d))
+        tma_atom_V, tma_V = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mV, sK_tile, (n, d))
+        stat_tile = cute.make_layout(m)
+        tma_atom_LSE, tma_LSE = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mLSElog2, stat_tile, (m,))
+        tma_atom_dPsum, tma_dPsum = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mdPsum, stat_tile, (m,))
+        tma_atom_dK, tma_dK = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdK, sK_tile, (n, d))
+        tma_atom_dV, tma_dV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), mdV, sK_tile, (n, d))
+        self.tx_bytes_q = (m * d * cfg.dtype.width + m * Float32.width) // 8
+        self.tx_bytes_kv = 2 * n * d * cfg.dtype.width // 8
+
+        @cute.struct
+        class SharedStorage:
+            mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages]
+            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages]
+            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(stat_layout)], 128]
+            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(stat_layout)], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sK_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
+
+        grid = (cute.ceil_div(mK.shape[0], n), mK.shape[2], mK.shape[3])
+        self.kernel(
+            tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
+            tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
+            mdQaccum, mdQsemaphore, softmax_scale, softmax_scale * Float32(LOG2_E),
+            tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, sQ_layout, sK_layout, sdS_layout, stat_layout, SharedStorage,
+        ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_Q: cute.CopyAtom, mQ: cute.Tensor, tma_atom_dO: cute.CopyAtom, mdO: cute.Tensor,
+        tma_atom_K: cute.CopyAtom, mK: cute.Tensor, tma_atom_V: cute.CopyAtom, mV: cute.Tensor,
+        tma_atom_LSE: cute.CopyAtom, mLSE: cute.Tensor, tma_atom_dPsum: cute.CopyAtom, mdPsum: cute.Tensor,
+        tma_atom_dK: cute.CopyAtom, mdK: cute.Tensor, tma_atom_dV: cute.CopyAtom, mdV: cute.Tensor,
+        mdQaccum: cute.Tensor, mdQsemaphore: cute.Tensor, softmax_scale: Float32, softmax_scale_log2: Float32,
+        tiled_mma_SdP: cute.TiledMma, tiled_mma_dKV: cute.TiledMma, tiled_mma_dQ: cute.TiledMma,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+        stat_layout: cute.Layout, SharedStorage: cutlass.Constexpr,
+    ):
+        cfg = self.cfg
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        n_block, head_kv, batch = cute.arch.block_idx()
+        if warp_idx == 0:
+            for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum,
+                         tma_atom_dK, tma_atom_dV):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.memory.SmemAllocator().allocate(SharedStorage)
+        tma_warp = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        mma_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, cfg.num_mma_threads // 32)
+        pipeline_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_KV.data_ptr(), num_stages=1, producer_group=tma_warp,
+            consumer_group=mma_warps, tx_count=self.tx_bytes_kv, defer_sync=True,
+        )
+        pipeline_q, pipeline_do = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=mbar.data_ptr(), num_stages=cfg.q_stages, producer_group=tma_warp,
+                consumer_group=mma_warps, tx_count=self.tx_bytes_q, defer_sync=True,
+            )
+            for mbar in (storage.mbar_Q, storage.mbar_dO)
+        ]
+        pipeline.pipeline_init_arrive()
+        pipeline.pipeline_init_wait()
+
+        s = SimpleNamespace(
+            sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            sdO=storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),
+            sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            sV=storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
+            sdS=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+            sLSE=storage.sLSE.get_tensor(stat_layout),
+            sdPsum=storage.sdPsum.get_tensor(stat_layout),
+            sdQ=storage.sdQ.get_tensor(cute.make_layout(cfg.m_block_size * cfg.head_dim)),
+        )
+        walk = self.query_walk(n_block, head_kv, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2])
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(cfg.register_split[0])
+            if warp_idx == 0:
+                self.producer(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
+                              tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do,
+                              walk, n_block, head_kv, batch)
+            if warp_idx == 1:
+                self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch)
+        else:
+            cute.arch.setmaxregister_increase(cfg.register_split[1])
+            self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
+                          tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch,
+                          mQ.shape[0], mK.shape[0], softmax_scale, softmax_scale_log2, tidx - 128)
+
+    @cute.jit
+    def query_walk(self, n_block: Int32, head_kv: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
+                   num_heads_kv: Int32) -> SimpleNamespace:
+        """The query blocks this CTA visits: for each query head of its KV head, the blocks
+        [m_block_min, m_block_max) that see one of its keys. Step i is (head, m_block) = step(i)."""
+        ranges = BlockRanges(self.cfg.m_block_size, self.cfg.n_block_size, self.cfg.causal)
+        m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        blocks = cutlass.max(m_block_max - m_block_min, 0)
+        group = num_heads // num_heads_kv
+        mask_end = m_block_min
+        if const_expr(self.cfg.causal):
+            mask_end = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
+        return SimpleNamespace(m_block_min=m_block_min, blocks=blocks, steps=group * blocks,
+                               first_head=head_kv * group, mask_end=mask_end)
+
+    @cute.jit
+    def step(self, walk: SimpleNamespace, i: Int32):
+        head_in_group = i // walk.blocks
+        return walk.first_head + head_in_group, walk.m_block_min + i - head_in_group * walk.blocks
+
+    # -------------------------------------------------------------------------------------- producer
+
+    @cute.jit
+    def producer(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
+                 tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do, walk, n_block, head_kv, batch):
+        cfg = self.cfg
+        m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipeline_kv.producer_acquire(kv_state)
+        for atom, mX, sX in ((tma_atom_K, mK, s.sK), (tma_atom_V, mV, s.sV)):
+            self.load_tile(atom, mX, sX, (n, d), n_block, head_kv, batch, 0, pipeline_kv.producer_get_barrier(kv_state))
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.q_stages)
+        for i in cutlass.range(walk.steps, unroll=1):
+            head, m_block = self.step(walk, i)
+            # Q with its LSE on one barrier, dO with its D on the other; both rings advance together.
+            pipeline_q.producer_acquire(q_state)
+            bar_q = pipeline_q.producer_get_barrier(q_state)
+            self.load_tile(tma_atom_Q, mQ, s.sQ, (m, d), m_block, head, batch, q_state.index, bar_q)
+            self.load_tile(tma_atom_LSE, mLSE, s.sLSE, (m,), m_block, head, batch, q_state.index, bar_q)
+            pipeline_do.producer_acquire(q_state)
+            bar_do = pipeline_do.producer_get_barrier(q_state)
+            self.load_tile(tma_atom_dO, mdO, s.sdO, (m, d), m_block, head, batch, q_state.index, bar_do)
+            self.load_tile(tma_atom_dPsum, mdPsum, s.sdPsum, (m,), m_block, head, batch, q_state.index, bar_do)
+            q_state.advance()
+
+    @cute.jit
+    def load_tile(self, atom, mX, sX, tile: cutlass.Constexpr, block, head, batch, stage, bar):
+        """TMA: block `block` (of `tile`-shaped tiles along the rows) of (head, batch) into stage
+        `stage` of sX, completing on mbarrier `bar`."""
+        rank = len(tile)
+        gX = cute.local_tile(mX[(None,) * rank + (head, batch)], tile, (block,) + (0,) * (rank - 1))
+        tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, rank),
+                                           cute.group_modes(gX, 0, rank))
+        cute.copy(atom, tXgX, tXsX[None, stage], tma_bar_ptr=bar)
+
+    @cute.jit
+    def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch):
+        """Warp 1: each query block's dQ, staged in smem by the MMA warp groups, added to its fp32
+        sums in global memory with one bulk reduce. With `deterministic` the key blocks of a query
+        block add in n_block order: wait for the semaphore to reach n_block, add, wait until the
+        add has landed, pass the turn on."""
+        cfg = self.cfg
+        tile_elems = cfg.m_block_size * cfg.head_dim
+        sync_threads = cfg.num_mma_threads + 32
+        lane = cute.arch.lane_idx()
+        for i in cutlass.range(walk.steps, unroll=1):
+            head, m_block = self.step(walk, i)
+            if lane == 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=sync_threads)
+            if const_expr(cfg.deterministic):
+                lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
+                if lane == 0:
+                    while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
+                        pass
+            cute.arch.barrier(barrier_id=DQ_FULL_BARRIER, number_of_threads=sync_threads)
+            if lane == 0:
+                gdQaccum = cute.local_tile(mdQaccum[batch, head, None], (tile_elems,), (m_block,))
+                cp_reduce_async_bulk_global_shared_cta(gdQaccum.iterator, sdQ.iterator, tile_elems * 4,
+                                                       type=CpReduceType.F32)
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(cfg.deterministic):
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.fence_acq_rel_gpu()
+                    cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # -------------------------------------------------------------------------------------- consumers
+
+    @cute.jit
+    def consumer(self, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
+                 tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, seqlen_q, seqlen_k,
+                 softmax_scale, softmax_scale_log2, tidx):
+        cfg = self.cfg
+        m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wg_SdP, thr_SdP = tiled_mma_SdP.get_slice(wg * 128), tiled_mma_SdP.get_slice(tidx)
+        wg_dKV, thr_dKV = tiled_mma_dKV.get_slice(wg * 128), tiled_mma_dKV.get_slice(tidx)
+        wg_dQ, thr_dQ = tiled_mma_dQ.get_slice(wg * 128), tiled_mma_dQ.get_slice(tidx)
+        c = SimpleNamespace(
+            tiled_mma_SdP=tiled_mma_SdP, tiled_mma_dKV=tiled_mma_dKV, tiled_mma_dQ=tiled_mma_dQ,
+            # S^T = K Q^T and dP^T = V dO^T
+            tSrK=tiled_mma_SdP.make_fragment_A(wg_SdP.partition_A(s.sK)),
+            tSrQ=tiled_mma_SdP.make_fragment_B(wg_SdP.partition_B(s.sQ)),
+            tdPrV=tiled_mma_SdP.make_fragment_A(wg_SdP.partition_A(s.sV)),
+            tdPrdO=tiled_mma_SdP.make_fragment_B(wg_SdP.partition_B(s.sdO)),
+            acc_S=thr_SdP.make_fragment_C(thr_SdP.partition_shape_C((n, m))),
+            acc_dP=thr_SdP.make_fragment_C(thr_SdP.partition_shape_C((n, m))),
+            # (key, query) coordinates of this thread's S^T elements, and where they go in dS.
+            tScS=reshape_acc_to_mn(thr_SdP.partition_C(cute.make_identity_tensor((n, m)))),
+            t0ScS=reshape_acc_to_mn(tiled_mma_SdP.get_slice(0).partition_C(cute.make_identity_tensor((n, m)))),
+            thr_SdP=thr_SdP, sdSt=transpose_view(s.sdS),
+            # dV += P^T dO and dK += dS^T Q, A from registers
+            tdVrP=tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
+            tdKrdS=tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
+            tdVrdO=tiled_mma_dKV.make_fragment_B(wg_dKV.partition_B(transpose_view(s.sdO))),
+            tdKrQ=tiled_mma_dKV.make_fragment_B(wg_dKV.partition_B(transpose_view(s.sQ))),
+            acc_dV=thr_dKV.make_fragment_C(thr_dKV.partition_shape_C((n, d))),
+            acc_dK=thr_dKV.make_fragment_C(thr_dKV.partition_shape_C((n, d))),
+            # dQ = dS K
+            tdQrdS=tiled_mma_dQ.make_fragment_A(wg_dQ.partition_A(s.sdS)),
+            tdQrK=tiled_mma_dQ.make_fragment_B(wg_dQ.partition_B(transpose_view(s.sK))),
+            acc_dQ=thr_dQ.make_fragment_C(thr_dQ.partition_shape_C((m, d))),
+            tdQsdQ=dq_staging_view(s.sdQ, cfg.num_mma_threads, tidx),
+            pipeline_q=pipeline_q, pipeline_do=pipeline_do, sLSE=s.sLSE, sdPsum=s.sdPsum,
+            n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale_log2=softmax_scale_log2,
+        )
+        c.acc_dV.fill(0.0)
+        c.acc_dK.fill(0.0)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipeline_kv.consumer_wait(kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.q_stages)
+        for i in cutlass.range(walk.steps, unroll=1):
+            _, m_block = self.step(walk, i)
+            self.one_block(c, q_state, m_block, m_block < walk.mask_end)
+            q_state.advance()
+
+        self.store_dKV(c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, batch, softmax_scale, tidx)
+
+    @cute.jit
+    def one_block(self, c: SimpleNamespace, q_state, m_block: Int32, on_diagonal):
+        """Algorithm 2's inner loop body for one query block (see the module docstring)."""
+        cfg = self.cfg
+        stage = q_state.index
+        c.pipeline_q.consumer_wait(q_state)
+        gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage], zero_init=True)
+        c.pipeline_do.consumer_wait(q_state)
+        gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage], zero_init=True)
+
+        warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
+        acc_S_mn = reshape_acc_to_mn(c.acc_S)
+        if const_expr(cfg.causal):
+            if on_diagonal:
+                self.mask_causal(c, acc_S_mn, m_block)
+        # Columns are queries: each column's LSE and D are read from smem where they are used.
+        for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            lse = c.sLSE[c.tScS[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+                acc_S_mn[r, j] = cute.math.exp2(acc_S_mn[r, j] * c.scale_log2 - lse, fastmath=True)
+        convert_f32_to_16bit(c.acc_S, c.tdVrP)
+
+        warpgroup.wait_group(0)  # dP^T is ready
+        acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
+        for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+            dpsum = c.sdPsum[c.tScS[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+        gemm(c.tiled_mma_dKV, c.acc_dV, c.tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
+        convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
+        # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.
+        cute.autovec_copy(cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout),
+                          c.thr_SdP.partition_C(c.sdSt[None, None, stage]))
+        gemm(c.tiled_mma_dKV, c.acc_dK, c.tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=DS_READY_BARRIER, number_of_threads=cfg.num_mma_threads)
+        gemm(c.tiled_mma_dQ, c.acc_dQ, c.tdQrdS[None, None, None, stage], c.tdQrK[None, None, None, 0], zero_init=True)
+        warpgroup.wait_group(1)  # dV and dK are done with this stage's Q and dO
+        c.pipeline_q.consumer_release(q_state)
+        c.pipeline_do.consumer_release(q_state)
+        warpgroup.wait_group(0)
+        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
+        cute.autovec_copy(cute.make_tensor(c.acc_dQ.iterator, cute.make_layout(c.tdQsdQ.shape)), c.tdQsdQ)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
+
+    @cute.jit
+    def mask_causal(self, c: SimpleNamespace, acc_S_mn: cute.Tensor, m_block: Int32):
+        """-inf where key > query + seqlen_k - seqlen_q (bottom-right aligned causal mask). Each
+        element's key - query is this thread's offset plus thread 0's, a compile-time constant."""
+        key0, query0 = c.tScS[0, 0]
+        limit = (m_block * self.cfg.m_block_size - c.n_block * self.cfg.n_block_size + c.seqlen_k - c.seqlen_q
+                 - (key0 - query0))
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                key, query = c.t0ScS[r, j]
+                if key - query > limit:
+                    acc_S_mn[r, j] = -Float32.inf
+
+    @cute.jit
+    def store_dKV(self, c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, batch, softmax_scale, tidx):
+        """dK (scaled) and dV through K's and V's smem, stored by TMA (rows past seqlen_k clipped)."""
+        n, d = self.cfg.n_block_size, self.cfg.head_dim
+        c.acc_dK.store(c.acc_dK.load() * softmax_scale)
+        # Both groups' last dQ GEMMs read all of K: wait for them before overwriting it.
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
+        stage_acc_in_smem(c.acc_dV, s.sV[None, None, 0], c.tiled_mma_dKV, tidx)
+        stage_acc_in_smem(c.acc_dK, s.sK[None, None, 0], c.tiled_mma_dKV, tidx)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
+        if tidx < 32:
+            no_mcast = cute.make_layout(1)
+            for atom, mX, sX in ((tma_atom_dV, mdV, s.sV), (tma_atom_dK, mdK, s.sK)):
+                gX = cute.local_tile(mX[None, None, head_kv, batch], (n, d), (n_block, 0))
+                tXsX, tXgX = cpasync.tma_partition(atom, 0, no_mcast, cute.group_modes(sX, 0, 2),
+                                                   cute.group_modes(gX, 0, 2))
+                cute.copy(atom, tXsX[None, 0], tXgX)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

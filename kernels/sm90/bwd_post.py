@@ -1,0 +1,64 @@
+"""FlashAttention backward postprocess for Hopper: dQ = softmax_scale * (dQ's fp32 sums), in the
+input dtype.
+
+The main kernel (kernels/sm90/bwd.py) adds each query block's dQ to an fp32 workspace
+(batch, heads, m_blocks * m_block_size * head_dim) in its accumulator order (`dq_staging_view`).
+One CTA per query block rebuilds the main kernel's dQ tiled MMA, so thread t reads back exactly
+the elements it would have held there (16-byte loads), scales and converts them into a swizzled
+smem tile at their (row, col), from which 16-byte vectors go to dQ with the caller's strides.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from ..common.layouts import gmem_tiled_copy, smem_layout_atom
+from ..sm80.bwd import stage_acc_in_smem, store_smem_tile
+from .bwd import dq_staging_view, dq_tiled_mma
+from .config import Sm90BwdConfig, Sm90BwdPostConfig
+
+
+class FlashAttnBwdPostprocessSm90:
+    num_threads = Sm90BwdConfig.num_wg_mma * 128
+
+    def __init__(self, config: Sm90BwdPostConfig):
+        self.cfg = config
+
+    @cute.jit
+    def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
+        m, d = self.cfg.m_block_size, self.cfg.head_dim
+        atom = smem_layout_atom(self.cfg.dtype, d)
+        sdQ_layout = cute.tile_to_shape(atom, (m, d), (0, 1))
+        s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, self.num_threads, cute.size(atom.outer.shape[1]))
+
+        @cute.struct
+        class SharedStorage:
+            sdQ: cute.struct.Align[cute.struct.MemRange[self.cfg.dtype, cute.cosize(sdQ_layout)], 1024]
+
+        grid = (cute.ceil_div(mdQ.shape[1], m), mdQ.shape[2], mdQ.shape[0])
+        self.kernel(mdQaccum, mdQ, softmax_scale, dq_tiled_mma(self.cfg), s2g, sdQ_layout, SharedStorage).launch(
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, tiled_mma: cute.TiledMma,
+               s2g: cute.TiledCopy, sdQ_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+        m, d = self.cfg.m_block_size, self.cfg.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        sdQ = cutlass.memory.SmemAllocator().allocate(SharedStorage).sdQ.get_tensor(sdQ_layout)
+        thr_mma = tiled_mma.get_slice(tidx)
+        acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, d)))
+        gAcc = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (m_block,))
+        tAgAcc = dq_staging_view(gAcc, self.num_threads, tidx)
+        acc_flat = cute.make_tensor(acc.iterator, cute.make_layout(tAgAcc.shape))
+        cute.autovec_copy(tAgAcc, acc_flat)
+        acc.store(acc.load() * softmax_scale)
+        stage_acc_in_smem(acc, sdQ, tiled_mma, tidx)
+        cute.arch.barrier()
+        gdQ = cute.local_tile(mdQ[batch, None, head, None], (m, d), (m_block, 0))
+        store_smem_tile(sdQ, gdQ, s2g, mdQ.shape[1] - m_block * m, d, tidx)
