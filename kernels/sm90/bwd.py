@@ -401,7 +401,6 @@ class FlashAttnBwdSm90:
             lse = c.sLSE[c.tScS[0, j][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, j] = cute.math.exp2(acc_S_mn[r, j] * c.scale_log2 - lse, fastmath=True)
-        convert_f32_to_16bit(c.acc_S, c.tdVrP)
 
         warpgroup.wait_group(0)  # dP^T is ready
         acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
@@ -409,6 +408,8 @@ class FlashAttnBwdSm90:
             dpsum = c.sdPsum[c.tScS[0, j][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                 acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+        # P's 16-bit copy only now: the fp32 P and its copy are never live together.
+        convert_f32_to_16bit(c.acc_S, c.tdVrP)
         gemm(c.tiled_mma_dKV, c.acc_dV, c.tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
         convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
         # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.

@@ -318,6 +318,8 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool) -> 
     """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
     if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
+    # 64-row query blocks at every head dim: at 64, 128 rows (longer dK / dV GEMMs) spill
+    # 140-160 bytes per thread with 240 registers (docs/kernels/sm90-backward.md).
     config = Sm90BwdConfig(dtype, head_dim, causal, deterministic)
     assert backward_smem_bytes(config) <= SMEM_BYTES
     return config

@@ -1,0 +1,87 @@
+"""The Hopper backward compiles for sm_90a on a CPU-only machine, into the code we intend: wgmma
+fed by TMA (bulk tensor copies) through mbarriers, register reallocation between the producer and
+the MMA warp groups, dQ added by one bulk reduce per query block, and no register spills, for every
+variant dispatch serves."""
+
+import pytest
+
+import cutlass
+import torch
+
+from cute_flash import dispatch
+from cute_flash.compile_report import compile_report
+from cute_flash.device import capability_of
+from cute_flash.kernels.sm90.bwd import FlashAttnBwdSm90
+from cute_flash.kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
+from cute_flash.kernels.sm90.config import BWD_HEAD_DIMS, SMEM_BYTES, backward_config, backward_smem_bytes
+
+ARCH = "sm_90a"
+TORCH_DTYPES = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}
+
+
+@pytest.fixture(autouse=True)
+def hopper_family(monkeypatch):
+    monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+
+
+def backward_plan(dtype, head_dim, causal, deterministic=False, gqa=False):
+    return dispatch.plan_backward(capability_of(ARCH), TORCH_DTYPES[dtype], head_dim, causal, deterministic, gqa)
+
+
+# Every (head dim, causal, deterministic) the Hopper backward serves, each dtype at least once.
+VARIANTS = [(dtype, head_dim, causal, deterministic)
+            for head_dim in BWD_HEAD_DIMS for causal in (False, True) for deterministic in (False, True)
+            for dtype in ((cutlass.BFloat16, cutlass.Float16) if not deterministic else (cutlass.BFloat16,))]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,deterministic", VARIANTS,
+                         ids=lambda v: getattr(v, "__name__", str(v)))
+def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, causal, deterministic, capsys):
+    plan = backward_plan(dtype, head_dim, causal, deterministic)
+    assert plan.main.kernel_cls is FlashAttnBwdSm90 and plan.post.kernel_cls is FlashAttnBwdPostprocessSm90
+    with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
+        report = compile_report(*plan.main.build(), arch=ARCH)
+    ptx = report.ptx
+    # Five GEMMs per query block and warp group, each as k-blocks of 16: S^T and dP^T over
+    # head_dim, dV and dK over the query block, dQ over the key block.
+    cfg = plan.main.config
+    k_blocks = 2 * head_dim // 16 + 2 * cfg.m_block_size // 16 + cfg.n_block_size // 16
+    assert ptx.count("wgmma.mma_async") == k_blocks
+    assert "cp.async.bulk.tensor" in ptx  # TMA loads and the dK / dV stores
+    assert "cp.reduce.async.bulk.global.shared::cta" in ptx and ".add.f32" in ptx  # dQ's sums
+    assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
+    assert "mbarrier.try_wait" in ptx
+    assert ("ld.acquire" in ptx) == deterministic  # the ordered dQ semaphore
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
+
+
+@pytest.mark.parametrize("head_dim", BWD_HEAD_DIMS)
+def test_postprocess_compiles_without_spills(head_dim, capsys):
+    plan = backward_plan(cutlass.BFloat16, head_dim, False)
+    with capsys.disabled():
+        post = compile_report(*plan.post.build(), arch=ARCH)
+    assert post.spill_bytes == 0
+    assert "ld.global.v4.f32" in post.ptx  # dQ's sums read back as 16-byte vectors, coalesced
+    assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
+
+
+def test_dispatch_serves_hopper_head_dims_and_keeps_sm80_for_the_rest():
+    for head_dim in range(8, 257, 8):
+        plan = backward_plan(cutlass.BFloat16, head_dim, True, gqa=True)
+        hopper = head_dim in BWD_HEAD_DIMS
+        assert (plan.main.kernel_cls is FlashAttnBwdSm90) == hopper, head_dim
+        assert plan.gqa == (not hopper)  # the Hopper kernel sums a query-head group itself
+    assert backward_config(cutlass.Float32, 64, False, False) is None
+
+
+def test_configurations_fit_and_key_only_what_changes_code():
+    for head_dim in BWD_HEAD_DIMS:
+        for causal in (False, True):
+            config = backward_config(cutlass.BFloat16, head_dim, causal, False)
+            assert backward_smem_bytes(config) <= SMEM_BYTES
+            assert config.num_threads == 384
+    key = backward_plan(cutlass.BFloat16, 128, True).main.key
+    assert key == backward_plan(cutlass.BFloat16, 128, True, gqa=True).main.key  # GQA is not a variant
+    assert key != backward_plan(cutlass.BFloat16, 128, True, deterministic=True).main.key
+    assert key != backward_plan(cutlass.BFloat16, 128, False).main.key
+    assert key != backward_plan(cutlass.Float16, 128, True).main.key
