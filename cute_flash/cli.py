@@ -396,6 +396,7 @@ def cmd_layouts(args) -> int:
     return 0
 
 
+# --causal, --gqa, --deterministic: which values of the flag get their variants.
 CAUSAL_CHOICES = {"both": (False, True), "yes": (True,), "no": (False,)}
 
 
@@ -406,14 +407,16 @@ def cmd_export(args) -> int:
 
     arch = args.arch or _this_gpus_target()
     causals = CAUSAL_CHOICES[args.causal]
+    gqas, deterministics = CAUSAL_CHOICES[args.gqa], CAUSAL_CHOICES[args.deterministic]
     progress = None
     try:
-        kernels = len(kernel_jobs(arch, args.dtypes, args.head_dims, causals, args.passes)[0])
+        kernels = len(kernel_jobs(arch, args.dtypes, args.head_dims, causals, args.passes, gqas, deterministics)[0])
         print(f"export: {kernels} kernels for {arch} in {min(args.jobs, kernels)} processes", file=sys.stderr,
               flush=True)
         progress = Progress("export", kernels)
         done = export_library(args.out, arch, args.dtypes, args.head_dims, causals, args.passes, args.runtime,
-                              args.jobs, args.cc, args.cudart_static, progress=progress.advance)
+                              args.jobs, args.cc, args.cudart_static, progress=progress.advance, gqas=gqas,
+                              deterministics=deterministics)
     except (ExportError, CuteFlashError) as exc:
         if progress is not None:
             progress.clear()
@@ -440,6 +443,12 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default="both",
                    help="causal variants, non-causal ones or both (default)")
     p.add_argument("--passes", type=comma_list(pass_arg), default="fwd,bwd", help="fwd, bwd or fwd,bwd (default)")
+    p.add_argument("--gqa", choices=tuple(CAUSAL_CHOICES), default="both",
+                   help="backward for kv_heads < heads (yes), for kv_heads == heads (no) or both (default); "
+                        "the grouped-query kernels also serve kv_heads == heads, more slowly")
+    p.add_argument("--deterministic", choices=tuple(CAUSAL_CHOICES), default="no",
+                   help="deterministic backward (yes), the faster unordered one (no, default) or both; the "
+                        "deterministic kernels also serve calls that do not ask for it")
     p.add_argument("--runtime", choices=RUNTIMES, default="shared",
                    help="shared: libcute_dsl_runtime.so copied next to the library (default); static: the DSL's "
                         "static runtime and the toolkit's libcudart_static.a linked in")

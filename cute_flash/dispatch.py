@@ -197,3 +197,16 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                   post_args, arch),
         gqa=gqa, deterministic=deterministic,
     )
+
+
+def plan_group_sum(capability: tuple[int, int], dtype: torch.dtype, head_dim: int) -> Plan:
+    """The grouped-query backward's per-group sum of the main kernel's fp32 per-query-head dK / dV
+    into the caller's dK / dV (kernels/sm80/bwd_group_sum.py). The C library (cute_flash/export.py)
+    runs it; the Python launcher sums with torch instead (launchers.py)."""
+    from .kernels.sm80.bwd_group_sum import FlashAttnBwdGroupSumSm80
+    from .kernels.sm80.config import Sm80BwdGroupSumConfig
+
+    cdtype = cutlass_dtype(dtype)
+    args = (fake_bshd(cutlass.Float32, head_dim), fake_bshd(cutlass.Float32, head_dim), fake_bshd(cdtype, head_dim),
+            fake_bshd(cdtype, head_dim), fake_stream())
+    return Plan(FlashAttnBwdGroupSumSm80, Sm80BwdGroupSumConfig(cdtype, head_dim), args, target_arch_for(capability))

@@ -1,7 +1,7 @@
 """`cute-flash export`: a shared library and a C header (cute_flash/c_abi/cute_flash.h) that give C,
 Rust or any FFI language the forward and backward without Python.
 
-    export_library(out_dir, arch, dtypes, head_dims, causals) -> Export
+    export_library(out_dir, arch, dtypes, head_dims, causals, ..., gqas=..., deterministics=...) -> Export
 
 Each chosen variant's kernels are compiled ahead of time for one target with a plain (not TVM-FFI)
 entry point and a stream argument, and written by the CuTe DSL's `export_to_c` as an object file
@@ -15,6 +15,11 @@ The library uses the sm80 kernel family on every target: the Hopper forward take
 workspaces and a tail-split plan made by Python (cute_flash/launchers.py), which the C library
 does not reproduce. The sm80 kernels compiled for sm_90a run on the H100, slower than the Hopper
 forward.
+
+A backward variant is (dtype, head dim, causal, gqa, deterministic), as in the Python package's
+dispatch.plan_backward. Its grouped-query form writes fp32 per-query-head dK / dV that Python sums
+with torch; here the sum is a fourth exported kernel (kernels/sm80/bwd_group_sum.py, role "sum").
+The deterministic form orders dQ's accumulation with counters the shim zeroes per call.
 
 CUDA comes from the DSL's runtime library, one of:
 - "shared" (default): libcute_dsl_runtime.so, copied next to the library (found through
@@ -57,11 +62,13 @@ LAUNCH_ARGUMENTS = {
     "main": ("mQ", "mK", "mV", "mdO", "mLSElog2", "mdPsum", "mdQaccum", "mdK", "mdV", "mdQsemaphore",
              "&softmax_scale", "&stream"),
     "post": ("mdQaccum", "mdQ", "&softmax_scale", "&stream"),
+    "sum": ("mdKaccum", "mdVaccum", "mdK", "mdV", "&stream"),
 }
 # (dynamic extents, dynamic strides) of the descriptor cuflash.c builds for each operand:
 # cf_bshd for (batch, seqlen, heads, head_dim) operands, cf_rows for (batch, heads, rows) ones.
 BSHD, ROWS = (3, 3), (3, 2)
-DESCRIPTORS = {name: BSHD for name in ("mQ", "mK", "mV", "mO", "mdO", "mdQ", "mdK", "mdV")} | {
+DESCRIPTORS = {name: BSHD for name in ("mQ", "mK", "mV", "mO", "mdO", "mdQ", "mdK", "mdV", "mdKaccum",
+                                      "mdVaccum")} | {
     name: ROWS for name in ("mLSE", "mLSElog2", "mdPsum", "mdQaccum", "mdQsemaphore")}
 
 
@@ -72,7 +79,7 @@ class ExportError(RuntimeError):
 @dataclass(frozen=True)
 class KernelJob:
     """One kernel to compile and export: `role` of the pass ("fwd", or the backward's "pre",
-    "main", "post") of one variant."""
+    "main", "post" and, for grouped-query attention, "sum") of one variant."""
 
     role: str
     dtype: str
@@ -80,6 +87,8 @@ class KernelJob:
     causal: bool
     prefix: str
     label: str
+    gqa: bool = False
+    deterministic: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,7 +124,8 @@ def _sm80_family():
             os.environ["CUTE_FLASH_KERNEL_ARCH"] = previous
 
 
-def plan_of(arch: str, role: str, dtype: str, head_dim: int, causal: bool):
+def plan_of(arch: str, role: str, dtype: str, head_dim: int, causal: bool, gqa: bool = False,
+            deterministic: bool = False):
     """The dispatch plan of one kernel of the C library for `arch`."""
     import torch
 
@@ -126,35 +136,54 @@ def plan_of(arch: str, role: str, dtype: str, head_dim: int, causal: bool):
         capability, torch_dtype = capability_of(arch), getattr(torch, dtype)
         if role == "fwd":
             return dispatch.plan_forward(capability, torch_dtype, head_dim, causal)
-        return getattr(dispatch.plan_backward(capability, torch_dtype, head_dim, causal), role)
+        if role == "sum":
+            return dispatch.plan_group_sum(capability, torch_dtype, head_dim)
+        return getattr(dispatch.plan_backward(capability, torch_dtype, head_dim, causal, deterministic, gqa), role)
 
 
-def kernel_jobs(arch: str, dtypes, head_dims, causals, passes) -> tuple[list[KernelJob], dict, dict]:
-    """Every distinct kernel the variants need (the backward's preprocess and postprocess kernels
-    are shared between variants that compile them alike), and per variant the prefixes of its
-    kernels: ({(dtype, head_dim, causal): prefix} forward, {...: {role: prefix}} backward)."""
+def backward_roles(gqa: bool) -> tuple[str, ...]:
+    return ("pre", "main", "post", "sum") if gqa else ("pre", "main", "post")
+
+
+def _label(role: str, dtype: str, head_dim: int, causal: bool, gqa: bool, deterministic: bool) -> str:
+    label = f"{role}/{DTYPE_SHORT[dtype]}/d{head_dim}"
+    if role in ("fwd", "main"):
+        label += f"/{'causal' if causal else 'full'}"
+    if role == "main":
+        label += ("/gqa" if gqa else "") + ("/deterministic" if deterministic else "")
+    return label
+
+
+def kernel_jobs(arch: str, dtypes, head_dims, causals, passes, gqas=(False, True),
+                deterministics=(False,)) -> tuple[list[KernelJob], dict, dict]:
+    """Every distinct kernel the variants need (kernels that compile alike, such as the
+    backward's preprocess and postprocess, are shared between variants), and per variant the
+    prefixes of its kernels: ({(dtype, head_dim, causal): prefix} forward,
+    {(dtype, head_dim, causal, gqa, deterministic): {role: prefix}} backward)."""
     from .cache import entry_name
 
     jobs: dict[tuple, KernelJob] = {}
     forward, backward = {}, {}
 
-    def job(role, dtype, head_dim, causal) -> str:
-        plan = plan_of(arch, role, dtype, head_dim, causal)
+    def job(role, dtype, head_dim, causal, gqa=False, deterministic=False) -> str:
+        plan = plan_of(arch, role, dtype, head_dim, causal, gqa, deterministic)
         key = (arch,) + plan.key
         if key not in jobs:
-            label = f"{role}/{DTYPE_SHORT[dtype]}/d{head_dim}" + (
-                f"/{'causal' if causal else 'full'}" if role in ("fwd", "main") else "")
-            jobs[key] = KernelJob(role, dtype, head_dim, causal, f"cfk_{role}_{entry_name(key)[:16]}", label)
+            jobs[key] = KernelJob(role, dtype, head_dim, causal, f"cfk_{role}_{entry_name(key)[:16]}",
+                                  _label(role, dtype, head_dim, causal, gqa, deterministic), gqa, deterministic)
         return jobs[key].prefix
 
     for dtype in dtypes:
         for head_dim in head_dims:
             for causal in causals:
-                variant = (dtype, head_dim, causal)
                 if "fwd" in passes:
-                    forward[variant] = job("fwd", *variant)
-                if "bwd" in passes:
-                    backward[variant] = {role: job(role, *variant) for role in ("pre", "main", "post")}
+                    forward[(dtype, head_dim, causal)] = job("fwd", dtype, head_dim, causal)
+                if "bwd" not in passes:
+                    continue
+                for gqa in gqas:
+                    for deterministic in deterministics:
+                        variant = (dtype, head_dim, causal, gqa, deterministic)
+                        backward[variant] = {role: job(role, *variant) for role in backward_roles(gqa)}
     return list(jobs.values()), forward, backward
 
 
@@ -182,7 +211,7 @@ def _compile_plain(arch: str, kernel, fake_args):
 def export_kernel(arch: str, job: KernelJob, build_dir: str) -> ExportedKernel:
     """Compile one kernel and write `<prefix>.o` and the DSL's `<prefix>.h` into `build_dir`,
     checked against what cuflash.c passes. Runs in worker processes."""
-    kernel, fake_args = plan_of(arch, job.role, job.dtype, job.head_dim, job.causal).build()
+    kernel, fake_args = plan_of(arch, job.role, job.dtype, job.head_dim, job.causal, job.gqa, job.deterministic).build()
     compiled = _compile_plain(arch, kernel, fake_args)
     compiled.export_to_c(file_path=build_dir, file_name=job.prefix, function_prefix=job.prefix)
     header = Path(build_dir, f"{job.prefix}.h").read_text()
@@ -265,12 +294,14 @@ def kernel_table(arch: str, kernels: dict[str, ExportedKernel], forward: dict, b
     for (dtype, head_dim, causal), prefix in forward.items():
         lines.append(f"    {{{DTYPE_CONSTANTS[dtype]}, {head_dim}, {int(causal)}, &{prefix}}},")
     lines += ["    {0, 0, 0, 0},", "};", "const cf_backward_variant cf_backward_variants[] = {"]
-    for (dtype, head_dim, causal), prefixes in backward.items():
-        m_block = plan_of(arch, "main", dtype, head_dim, causal).settings()["m_block_size"]
-        lines.append(f"    {{{DTYPE_CONSTANTS[dtype]}, {head_dim}, {int(causal)}, {m_block}, {round_up(head_dim, 32)}, "
-                     f"&{prefixes['pre']}, &{prefixes['main']}, &{prefixes['post']}}},")
+    for (dtype, head_dim, causal, gqa, deterministic), prefixes in backward.items():
+        m_block = plan_of(arch, "main", dtype, head_dim, causal, gqa, deterministic).settings()["m_block_size"]
+        group_sum = f"&{prefixes['sum']}" if gqa else "0"
+        lines.append(f"    {{{DTYPE_CONSTANTS[dtype]}, {head_dim}, {int(causal)}, {int(gqa)}, {int(deterministic)}, "
+                     f"{m_block}, {round_up(head_dim, 32)}, &{prefixes['pre']}, &{prefixes['main']}, "
+                     f"&{prefixes['post']}, {group_sum}}},")
     info = build_info(arch, forward, backward)
-    lines += ["    {0, 0, 0, 0, 0, 0, 0, 0},", "};",
+    lines += ["    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},", "};",
               f"const int cf_target_major = {major}, cf_target_minor = {minor}, "
               f"cf_target_arch_specific = {int(arch.endswith('a'))};",
               f"const int cf_row_pad = {ROW_PAD};",
@@ -283,9 +314,10 @@ def build_info(arch: str, forward: dict, backward: dict) -> list[str]:
 
     lines = [f"cute-flash {__version__}, C ABI version {abi_version()}, target {arch} (sm80 kernel family), "
              f"nvidia-cutlass-dsl {cutlass.__version__}"]
-    for name, variants in (("forward", forward), ("backward", backward)):
-        lines += [f"{name} {DTYPE_SHORT[dtype]} head_dim={head_dim} causal={int(causal)}"
-                  for dtype, head_dim, causal in variants]
+    lines += [f"forward {DTYPE_SHORT[dtype]} head_dim={head_dim} causal={int(causal)}"
+              for dtype, head_dim, causal in forward]
+    lines += [f"backward {DTYPE_SHORT[dtype]} head_dim={head_dim} causal={int(causal)} gqa={int(gqa)} "
+              f"deterministic={int(deterministic)}" for dtype, head_dim, causal, gqa, deterministic in backward]
     return lines
 
 
@@ -392,11 +424,12 @@ def link_library(out_dir: Path, build_dir: Path, runtime: str = "shared", cc: st
 
 def export_library(out_dir, arch: str, dtypes, head_dims, causals=(False, True), passes=("fwd", "bwd"),
                    runtime: str = "shared", jobs: int = 1, cc: str | None = None, cudart_static: Path | None = None,
-                   progress=lambda label: None) -> Export:
+                   progress=lambda label: None, *, gqas=(False, True), deterministics=(False,)) -> Export:
     """Compile the chosen variants for `arch` and build out_dir/libcute_flash.so and
     out_dir/cute_flash.h; the kernel objects, the DSL's headers and the kernel table stay in
     out_dir/build (for linking the kernels into a program statically). `dtypes` are torch's
-    names ("bfloat16", "float16")."""
+    names ("bfloat16", "float16"). The backward is exported for every combination of `gqas`
+    (False: kv_heads == heads; True: grouped-query) and `deterministics`."""
     start = time.perf_counter()
     out_dir = Path(out_dir)
     # What the link needs is checked before minutes of compiling.
@@ -406,7 +439,7 @@ def export_library(out_dir, arch: str, dtypes, head_dims, causals=(False, True),
     if build_dir.exists():
         shutil.rmtree(build_dir)  # objects of an earlier export would be linked too
     build_dir.mkdir(parents=True)
-    todo, forward, backward = kernel_jobs(arch, dtypes, head_dims, causals, passes)
+    todo, forward, backward = kernel_jobs(arch, dtypes, head_dims, causals, passes, gqas, deterministics)
     kernels = _export_all(arch, todo, build_dir, jobs, progress)
     (build_dir / "cuflash_kernels.c").write_text(kernel_table(arch, kernels, forward, backward))
     library = link_library(out_dir, build_dir, runtime, cc, cudart_static)

@@ -93,7 +93,7 @@ static int check_present(const named_tensor *tensors, int count) {
     return CUFLASH_SUCCESS;
 }
 
-static int check_problem(const problem *p, float scale, int causal, int dtype) {
+static int check_problem(const problem *p, float scale, int causal, int deterministic, int dtype) {
     const struct { const char *name; int value; } sizes[] = {
         {"batch", p->batch}, {"heads", p->heads}, {"kv_heads", p->kv_heads},
         {"seq_len_q", p->seq_q}, {"seq_len_k", p->seq_k}, {"head_dim", p->head_dim},
@@ -110,6 +110,9 @@ static int check_problem(const problem *p, float scale, int causal, int dtype) {
     }
     if (!isfinite(scale) || scale < 0.0f) return fail(CUFLASH_ERROR_INVALID_DIMENSION, "scale must be finite and non-negative, got %g", scale);
     if (causal != 0 && causal != 1) return fail(CUFLASH_ERROR_INVALID_DIMENSION, "causal must be 0 or 1, got %d", causal);
+    if (deterministic != 0 && deterministic != 1) {
+        return fail(CUFLASH_ERROR_INVALID_DIMENSION, "deterministic must be 0 or 1, got %d", deterministic);
+    }
     if (dtype == CUFLASH_DTYPE_F32) {
         return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "f32: no kernel computes float32 yet; use f16 or bf16 tensors");
     }
@@ -156,9 +159,20 @@ static const cf_forward_variant *forward_variant(int dtype, int head_dim, int ca
     return NULL;
 }
 
-static const cf_backward_variant *backward_variant(int dtype, int head_dim, int causal) {
-    for (const cf_backward_variant *v = cf_backward_variants; v->main != NULL; v++) {
-        if (v->dtype == dtype && v->head_dim == head_dim && v->causal == causal) return v;
+/* The backward variant that serves a call: the one asked for if exported, else one that computes
+ * the same gradients. A grouped-query variant also serves kv_heads == heads (groups of one, through
+ * its fp32 workspace); a deterministic one also serves deterministic == 0. Preferred in that
+ * order: exact, then grouped-query, then deterministic. */
+static const cf_backward_variant *backward_variant(int dtype, int head_dim, int causal, int gqa, int deterministic) {
+    for (int g = gqa; g <= 1; g++) {
+        for (int d = deterministic; d <= 1; d++) {
+            for (const cf_backward_variant *v = cf_backward_variants; v->main != NULL; v++) {
+                if (v->dtype == dtype && v->head_dim == head_dim && v->causal == causal && v->gqa == g &&
+                    v->deterministic == d) {
+                    return v;
+                }
+            }
+        }
     }
     return NULL;
 }
@@ -170,8 +184,20 @@ static int not_exported(const char *pass, int dtype, int head_dim, int causal) {
                 "(cute-flash export --dtypes ... --head-dims ... --causal ...)", pass, dtype_name(dtype), head_dim, causal);
 }
 
+static int backward_not_exported(int dtype, int head_dim, int causal, int gqa, int deterministic) {
+    return fail(CUFLASH_ERROR_VARIANT_NOT_EXPORTED, "no backward kernel for %s, head_dim %d, causal %d%s%s in this "
+                "library (cute-flash export --dtypes ... --head-dims ... --causal ... --gqa ... --deterministic ...)",
+                dtype_name(dtype), head_dim, causal, gqa ? ", kv_heads < heads" : "",
+                deterministic ? ", deterministic" : "");
+}
+
 int cuflash_variant_exported(int backward, int dtype, int head_dim, int causal) {
-    return (backward ? backward_variant(dtype, head_dim, causal) != NULL : forward_variant(dtype, head_dim, causal) != NULL);
+    return (backward ? backward_variant(dtype, head_dim, causal, 0, 0) != NULL : forward_variant(dtype, head_dim, causal) != NULL);
+}
+
+int cuflash_backward_variant_exported(int dtype, int head_dim, int causal, int gqa, int deterministic) {
+    return (gqa == 0 || gqa == 1) && (deterministic == 0 || deterministic == 1) &&
+           backward_variant(dtype, head_dim, causal, gqa, deterministic) != NULL;
 }
 
 /* The current device, checked against the library's compile target. */
@@ -237,7 +263,7 @@ int cuflash_attention_forward_ex(int dtype, const cuflash_tensor *Q, const cufla
     const named_tensor tensors[] = {{"Q", Q}, {"K", K}, {"V", V}, {"O", O}, {"L", L}};
     problem p = {batch, heads, kv_heads, seq_len_q, seq_len_k, head_dim};
     int code = check_present(tensors, 5);
-    if (code == CUFLASH_SUCCESS) code = check_problem(&p, scale, causal, dtype);
+    if (code == CUFLASH_SUCCESS) code = check_problem(&p, scale, causal, 0, dtype);
     cf_bshd q, k, v, o;
     cf_rows l;
     if (code == CUFLASH_SUCCESS) code = bshd_view("Q", Q, batch, heads, seq_len_q, &q);
@@ -259,37 +285,66 @@ int cuflash_attention_forward_ex(int dtype, const cuflash_tensor *Q, const cufla
 
 static size_t align_up(size_t bytes) { return (bytes + WORKSPACE_ALIGN - 1) / WORKSPACE_ALIGN * WORKSPACE_ALIGN; }
 
-/* The backward's float32 workspace, one allocation: LSE in log2 and rowsum(dO * O) per row
- * (rows padded to cf_row_pad), then dQ's accumulator (zeroed). */
+/* The backward's workspace, one allocation of regions on WORKSPACE_ALIGN boundaries:
+ *   lse_log2, dpsum  float32 [B, H, rows]: LSE in log2 and rowsum(dO * O) per query row (rows:
+ *                    seq_len_q padded to cf_row_pad), written by the preprocess kernel;
+ *   dq_accum         float32 [B, H, query blocks * m_block * head_dim_padded]: dQ's accumulator;
+ *   semaphore        int32 [B, H, query blocks], deterministic variants only: whose turn it is
+ *                    to add to a query block of dq_accum;
+ *   dk_accum, dv_accum  float32 [B, seq_len_k, H, D], grouped-query variants only: each query
+ *                    head's dK and dV, which the group-sum kernel adds per kv head into dK, dV.
+ * dq_accum and the semaphore are adjacent and zeroed together; the rest is written before it is
+ * read. */
 typedef struct {
     cf_rows lse_log2, dpsum, dq_accum, semaphore;
+    cf_bshd dk_accum, dv_accum;
+    size_t zeroed_offset, zeroed_bytes, total_bytes;
 } backward_workspace;
 
-static void workspace_views(const problem *p, const cf_backward_variant *variant, char *base, backward_workspace *w,
-                            size_t *stat_bytes, size_t *accum_bytes) {
+static void workspace_views(const problem *p, const cf_backward_variant *variant, char *base, backward_workspace *w) {
+    int64_t batch = p->batch, heads = p->heads, seq_k = p->seq_k, head_dim = p->head_dim;
     int64_t rows = (p->seq_q + cf_row_pad - 1) / cf_row_pad * (int64_t)cf_row_pad;
     int64_t m_blocks = (p->seq_q + variant->m_block - 1) / variant->m_block;
     int64_t accum_row = m_blocks * variant->m_block * variant->head_dim_padded;
-    int64_t heads = p->heads;
-    *stat_bytes = align_up((size_t)(p->batch * heads * rows) * sizeof(float));
-    *accum_bytes = (size_t)(p->batch * heads * accum_row) * sizeof(float);
-    w->lse_log2 = (cf_rows){base, {p->batch, p->heads, (int32_t)rows}, {heads * rows, rows}};
-    w->dpsum = (cf_rows){base + *stat_bytes, {p->batch, p->heads, (int32_t)rows}, {heads * rows, rows}};
-    w->dq_accum = (cf_rows){base + 2 * *stat_bytes, {p->batch, p->heads, (int32_t)accum_row}, {heads * accum_row, accum_row}};
-    /* Only the deterministic main kernel reads its semaphore; the C library exports the other. */
-    w->semaphore = (cf_rows){base, {1, 1, 1}, {1, 1}};
+    size_t stat_bytes = align_up((size_t)(batch * heads * rows) * sizeof(float));
+    size_t accum_bytes = align_up((size_t)(batch * heads * accum_row) * sizeof(float));
+    size_t semaphore_bytes = variant->deterministic ? align_up((size_t)(batch * heads * m_blocks) * sizeof(int32_t)) : 0;
+    size_t dkv_bytes = variant->gqa ? align_up((size_t)(batch * seq_k * heads * head_dim) * sizeof(float)) : 0;
+    size_t offset = 0;
+    w->lse_log2 = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)rows}, {heads * rows, rows}};
+    offset += stat_bytes;
+    w->dpsum = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)rows}, {heads * rows, rows}};
+    offset += stat_bytes;
+    w->zeroed_offset = offset;
+    w->dq_accum = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)accum_row}, {heads * accum_row, accum_row}};
+    offset += accum_bytes;
+    if (variant->deterministic) {
+        w->semaphore = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)m_blocks}, {heads * m_blocks, m_blocks}};
+    } else {
+        w->semaphore = (cf_rows){base, {1, 1, 1}, {1, 1}}; /* never read by the main kernel */
+    }
+    offset += semaphore_bytes;
+    w->zeroed_bytes = offset - w->zeroed_offset;
+    /* (batch, seq_len_k, heads) as the main kernel writes them: a kv head's group of query heads
+     * is one contiguous run per key row for the group sum. */
+    const int64_t dkv_strides[3] = {seq_k * heads * head_dim, heads * head_dim, head_dim};
+    w->dk_accum = (cf_bshd){base + offset, {p->batch, p->seq_k, p->heads}, {dkv_strides[0], dkv_strides[1], dkv_strides[2]}};
+    offset += dkv_bytes;
+    w->dv_accum = (cf_bshd){base + offset, {p->batch, p->seq_k, p->heads}, {dkv_strides[0], dkv_strides[1], dkv_strides[2]}};
+    offset += dkv_bytes;
+    w->total_bytes = offset;
 }
 
 int cuflash_attention_backward_ex(int dtype, const cuflash_tensor *dO, const cuflash_tensor *Q, const cuflash_tensor *K,
                                   const cuflash_tensor *V, const cuflash_tensor *O, const cuflash_tensor *L,
                                   const cuflash_tensor *dQ, const cuflash_tensor *dK, const cuflash_tensor *dV, int batch,
                                   int heads, int kv_heads, int seq_len_q, int seq_len_k, int head_dim, float scale,
-                                  int causal, void *stream) {
+                                  int causal, int deterministic, void *stream) {
     const named_tensor tensors[] = {{"dO", dO}, {"Q", Q}, {"K", K}, {"V", V}, {"O", O},
                                     {"L", L},   {"dQ", dQ}, {"dK", dK}, {"dV", dV}};
     problem p = {batch, heads, kv_heads, seq_len_q, seq_len_k, head_dim};
     int code = check_present(tensors, 9);
-    if (code == CUFLASH_SUCCESS) code = check_problem(&p, scale, causal, dtype);
+    if (code == CUFLASH_SUCCESS) code = check_problem(&p, scale, causal, deterministic, dtype);
     cf_bshd d_o, q, k, v, o, dq, dk, dv;
     cf_rows l;
     if (code == CUFLASH_SUCCESS) code = bshd_view("dO", dO, batch, heads, seq_len_q, &d_o);
@@ -302,42 +357,44 @@ int cuflash_attention_backward_ex(int dtype, const cuflash_tensor *dO, const cuf
     if (code == CUFLASH_SUCCESS) code = bshd_view("dK", dK, batch, kv_heads, seq_len_k, &dk);
     if (code == CUFLASH_SUCCESS) code = bshd_view("dV", dV, batch, kv_heads, seq_len_k, &dv);
     if (code != CUFLASH_SUCCESS) return code;
-    if (kv_heads != heads) {
-        /* Grouped-query gradients need a per-group sum of per-query-head dK and dV, which no
-         * exported kernel does (the Python package does it with torch). */
-        return fail(CUFLASH_ERROR_VARIANT_NOT_EXPORTED, "the C library's backward needs kv_heads == heads (got %d and %d)",
-                    kv_heads, heads);
-    }
-    const cf_backward_variant *variant = backward_variant(dtype, head_dim, causal);
-    if (variant == NULL) return not_exported("backward", dtype, head_dim, causal);
+    int gqa = kv_heads != heads;
+    const cf_backward_variant *variant = backward_variant(dtype, head_dim, causal, gqa, deterministic);
+    if (variant == NULL) return backward_not_exported(dtype, head_dim, causal, gqa, deterministic);
 
     int device;
     code = current_device(&device);
     if (code == CUFLASH_SUCCESS) code = load(variant->pre, device);
     if (code == CUFLASH_SUCCESS) code = load(variant->main, device);
     if (code == CUFLASH_SUCCESS) code = load(variant->post, device);
+    if (code == CUFLASH_SUCCESS && variant->gqa) code = load(variant->sum, device);
     if (code != CUFLASH_SUCCESS) return code;
 
     backward_workspace w;
-    size_t stat_bytes, accum_bytes;
-    workspace_views(&p, variant, NULL, &w, &stat_bytes, &accum_bytes);
+    workspace_views(&p, variant, NULL, &w);
     char *base = NULL;
-    int error = _cudaMallocAsync((void **)&base, 2 * stat_bytes + accum_bytes, stream);
+    int error = _cudaMallocAsync((void **)&base, w.total_bytes, stream);
     if (error != 0) return cuda_failure(error, "the backward's workspace (cudaMallocAsync)");
-    workspace_views(&p, variant, base, &w, &stat_bytes, &accum_bytes);
-    error = _cudaMemsetAsync(w.dq_accum.data, 0, accum_bytes, stream);
+    workspace_views(&p, variant, base, &w);
+    error = _cudaMemsetAsync(base + w.zeroed_offset, 0, w.zeroed_bytes, stream);
     code = error == 0 ? CUFLASH_SUCCESS : cuda_failure(error, "cudaMemsetAsync");
     if (code == CUFLASH_SUCCESS) {
         void *args[7] = {&o, &d_o, &l, &w.lse_log2, &w.dpsum, &stream, NULL};
         code = launch(variant->pre, args, 7);
     }
     if (code == CUFLASH_SUCCESS) {
-        void *args[13] = {&q, &k, &v, &d_o, &w.lse_log2, &w.dpsum, &w.dq_accum, &dk, &dv, &w.semaphore, &scale, &stream, NULL};
+        /* Grouped-query: the main kernel's dK / dV are per query head, in the fp32 workspace. */
+        void *dk_out = variant->gqa ? (void *)&w.dk_accum : (void *)&dk;
+        void *dv_out = variant->gqa ? (void *)&w.dv_accum : (void *)&dv;
+        void *args[13] = {&q, &k, &v, &d_o, &w.lse_log2, &w.dpsum, &w.dq_accum, dk_out, dv_out, &w.semaphore, &scale, &stream, NULL};
         code = launch(variant->main, args, 13);
     }
     if (code == CUFLASH_SUCCESS) {
         void *args[5] = {&w.dq_accum, &dq, &scale, &stream, NULL};
         code = launch(variant->post, args, 5);
+    }
+    if (code == CUFLASH_SUCCESS && variant->gqa) {
+        void *args[6] = {&w.dk_accum, &w.dv_accum, &dk, &dv, &stream, NULL};
+        code = launch(variant->sum, args, 6);
     }
     /* Stream-ordered: the memory returns to the pool after the kernels queued before it. */
     error = _cudaFreeAsync(base, stream);
@@ -373,7 +430,7 @@ static int backward_row_major(int dtype, const void *dO, const void *Q, const vo
     for (int i = 0; i < 9; i++) t[i] = row_major(data[i], heads, seq_len, head_dim);
     t[5] = row_major_stat(L, heads, seq_len);
     return cuflash_attention_backward_ex(dtype, &t[0], &t[1], &t[2], &t[3], &t[4], &t[5], &t[6], &t[7], &t[8], batch,
-                                         heads, heads, seq_len, seq_len, head_dim, scale, causal, stream);
+                                         heads, heads, seq_len, seq_len, head_dim, scale, causal, 0, stream);
 }
 
 int cuflash_attention_forward_f16(const void *Q, const void *K, const void *V, void *O, float *L, int batch, int heads,

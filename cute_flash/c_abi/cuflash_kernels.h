@@ -38,11 +38,16 @@ typedef struct {
 
 typedef struct {
     int dtype, head_dim, causal;
+    int gqa;             /* main writes fp32 per-query-head dK / dV into the workspace; `sum` adds
+                            each group into the caller's dK / dV */
+    int deterministic;   /* main orders dQ's accumulation with a zeroed int32 counter per
+                            (batch, head, query block) */
     int m_block;         /* the main kernel's query block: dQ's accumulator is blocked by it */
     int head_dim_padded; /* the accumulator's row width */
     cf_kernel *pre;      /* (out, dout, lse, lse_log2, dpsum, stream) */
     cf_kernel *main;     /* (q, k, v, dout, lse_log2, dpsum, dq_accum, dk, dv, semaphore, scale, stream) */
     cf_kernel *post;     /* (dq_accum, dq, scale, stream) */
+    cf_kernel *sum;      /* gqa only, else NULL: (dk_accum, dv_accum, dk, dv, stream) */
 } cf_backward_variant;
 
 /* Both tables end with an entry whose kernel pointers are NULL. */

@@ -14,8 +14,8 @@
 #include <stdint.h>
 
 /* Raised when a function changes its arguments or meaning; `cuflash_abi_version()` returns the
- * version the library was built with. */
-#define CUFLASH_ABI_VERSION 1
+ * version the library was built with. 2: cuflash_attention_backward_ex takes `deterministic`. */
+#define CUFLASH_ABI_VERSION 2
 
 #ifdef __cplusplus
 extern "C" {
@@ -24,7 +24,8 @@ extern "C" {
 enum {
     CUFLASH_SUCCESS = 0,
     CUFLASH_ERROR_INVALID_DIMENSION = 1,      /* a size <= 0, a stride or alignment the kernels cannot
-                                                 address, causal not 0/1, a negative or non-finite scale */
+                                                 address, causal or deterministic not 0/1, a negative
+                                                 or non-finite scale */
     CUFLASH_ERROR_DIMENSION_MISMATCH = 2,     /* heads not a multiple of kv_heads */
     CUFLASH_ERROR_NULL_POINTER = 3,           /* a tensor (or its descriptor) is NULL */
     CUFLASH_ERROR_CUDA_ERROR = 4,             /* no usable GPU (older than this library's target, no
@@ -59,8 +60,12 @@ const char *cuflash_last_error_message(void);
 /* The compile target and the variants this library holds, one line each. */
 const char *cuflash_build_info(void);
 /* 1 when this library holds the kernels of the pass (0 forward, 1 backward) for the dtype, head
- * dim and causal flag, else 0. */
+ * dim and causal flag, else 0. For the backward: with kv_heads == heads and deterministic 0. */
 int cuflash_variant_exported(int backward, int dtype, int head_dim, int causal);
+/* 1 when a backward call of this dtype, head dim and causal flag finds its kernels, else 0: gqa 1
+ * for kv_heads < heads (grouped-query or multi-query), deterministic as passed to
+ * cuflash_attention_backward_ex. */
+int cuflash_backward_variant_exported(int dtype, int head_dim, int causal, int gqa, int deterministic);
 
 /* Forward: O = softmax(scale * Q K^T) V for row-major [B, H, N, D] Q, K, V, O; L = the
  * natural-log logsumexp of each row of scaled scores, float32 [B, H, N]. Causal masking hides key
@@ -76,9 +81,10 @@ int cuflash_attention_forward_f32(const float *Q, const float *K, const float *V
                                   int batch, int heads, int seq_len, int head_dim, float scale,
                                   int causal, void *stream);
 
-/* Backward: dQ, dK, dV from dO and the forward's Q, K, V, O and L (same layouts). Allocates its
- * float32 workspace (about B x H x N x (D + 2) x 4 bytes) stream-ordered on `stream` and frees it
- * there. */
+/* Backward: dQ, dK, dV from dO and the forward's Q, K, V, O and L (same layouts), as
+ * cuflash_attention_backward_ex with deterministic 0 (dQ's partial sums added in any order).
+ * Allocates its workspace stream-ordered (cudaMallocAsync) on `stream` and frees it there
+ * (cudaFreeAsync), with the CUDA driver: float32, about B x H x N x (D + 2) x 4 bytes. */
 int cuflash_attention_backward_f16(const void *dO, const void *Q, const void *K, const void *V,
                                    const void *O, const float *L, void *dQ, void *dK, void *dV,
                                    int batch, int heads, int seq_len, int head_dim, float scale,
@@ -96,8 +102,16 @@ int cuflash_attention_backward_f32(const float *dO, const float *Q, const float 
  * head h reads kv head h / (heads / kv_heads)). Q, O, dO, dQ: [batch, heads, seq_len_q, head_dim];
  * K, V, dK, dV: [batch, kv_heads, seq_len_k, head_dim]; L: [batch, heads, seq_len_q]. Causal
  * masking is bottom-right aligned: query i sees key j iff j <= i + seq_len_k - seq_len_q; a row
- * that sees no key gets O = 0 and L = -inf. The backward takes kv_heads == heads only (else
- * CUFLASH_ERROR_VARIANT_NOT_EXPORTED). */
+ * that sees no key gets O = 0 and L = -inf.
+ *
+ * The backward with kv_heads < heads computes each query head's dK and dV in a float32 workspace
+ * and sums each group of heads / kv_heads into dK and dV (in a fixed order). deterministic 1:
+ * bit-identical dQ, dK and dV for identical inputs and sizes on one GPU (dQ's partial sums are
+ * added in a fixed order; slower); 0: any order. A variant the library was not built with returns
+ * CUFLASH_ERROR_VARIANT_NOT_EXPORTED (`cute-flash export --gqa`, `--deterministic`); where the
+ * exact variant is missing, a grouped-query one also serves kv_heads == heads and a deterministic
+ * one also serves deterministic 0. The workspace grows by at most B x H x ceil(seq_len_q / 64) x 4
+ * bytes when deterministic and by 2 x B x seq_len_k x H x D x 4 bytes for grouped-query kernels. */
 int cuflash_attention_forward_ex(int dtype, const cuflash_tensor *Q, const cuflash_tensor *K,
                                  const cuflash_tensor *V, const cuflash_tensor *O,
                                  const cuflash_tensor *L, int batch, int heads, int kv_heads,
@@ -109,7 +123,7 @@ int cuflash_attention_backward_ex(int dtype, const cuflash_tensor *dO, const cuf
                                   const cuflash_tensor *dQ, const cuflash_tensor *dK,
                                   const cuflash_tensor *dV, int batch, int heads, int kv_heads,
                                   int seq_len_q, int seq_len_k, int head_dim, float scale, int causal,
-                                  void *stream);
+                                  int deterministic, void *stream);
 
 #ifdef __cplusplus
 }

@@ -54,3 +54,11 @@ class Sm80BwdPostConfig:
     m_block_size: int
     atom_m_dq: int
     dq_chunks: int = 1
+
+
+@dataclass(frozen=True)
+class Sm80BwdGroupSumConfig:
+    """The grouped-query backward's per-group sum of dK and dV (kernels/sm80/bwd_group_sum.py)."""
+
+    dtype: type[cutlass.Numeric]
+    head_dim: int

@@ -101,6 +101,20 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, caps
     assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
 
 
+# The grouped-query backward's group sum, which the C library runs (the Python package sums with
+# torch): one 16-byte vector per thread and row of the output, two from each fp32 workspace row,
+# added in a fixed order (no atomics), and one rounding.
+@pytest.mark.parametrize("dtype,head_dim,arch", [(BF16, 64, ARCH), (FP16, 40, ARCH), (BF16, 256, "sm_90a")])
+def test_group_sum_kernel_compiles_to_vector_copies_without_atomics(dtype, head_dim, arch, capsys):
+    plan = dispatch.plan_group_sum(capability_of(arch), TORCH_DTYPES[dtype], head_dim)
+    with capsys.disabled():
+        report = compile_report(*plan.build(), arch=arch)
+    assert report.spill_bytes == 0
+    assert "ld.global.v4.b32" in report.ptx and "st.global.v4.b32" in report.ptx
+    assert f"cvt.rn.{'bf16' if dtype is BF16 else 'f16'}x2.f32" in report.ptx
+    assert "red." not in report.ptx and "atom." not in report.ptx
+
+
 def test_tiles_fit_and_cover_every_head_dim():
     for head_dim in range(8, 257, 8):
         for causal in (False, True):

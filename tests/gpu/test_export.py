@@ -1,6 +1,7 @@
 """The library `cute-flash export` builds, on the GPU: forward and backward through ctypes against
-float64 attention ([B, H, N, D] tensors and any strides through the `_ex` functions), and the
-examples (a C program, a ctypes script) built and run as a user would."""
+float64 attention ([B, H, N, D] tensors and any strides through the `_ex` functions; grouped-query
+and multi-query backward; the deterministic backward's bit-identical gradients), and the examples
+(a C program, a ctypes script) built and run as a user would."""
 
 import ctypes
 import math
@@ -26,10 +27,11 @@ NOT_EXPORTED, UNSUPPORTED_DTYPE = 8, 7
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory) -> Path:
-    """bf16, d64, causal and not, forward and backward, for this GPU's target."""
+    """bf16, d64, causal and not, forward and backward, for this GPU's target; the backward for
+    kv_heads == heads and kv_heads < heads, each unordered and deterministic."""
     out = tmp_path_factory.mktemp("c-abi")
     export.export_library(out, device.target_arch(), ["bfloat16"], [64], (False, True), ("fwd", "bwd"),
-                          jobs=min(6, os.cpu_count() or 1))
+                          jobs=min(6, os.cpu_count() or 1), gqas=(False, True), deterministics=(False, True))
     return out
 
 
@@ -48,7 +50,9 @@ def lib(exported):
         getattr(lib, f"cuflash_attention_backward_{dtype}").argtypes = [ctypes.c_void_p] * 9 + sizes
     ex_sizes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
     lib.cuflash_attention_forward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 5 + ex_sizes
-    lib.cuflash_attention_backward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 9 + ex_sizes
+    # ..., causal, deterministic, stream
+    lib.cuflash_attention_backward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 9 + ex_sizes[:-1] + [
+        ctypes.c_int, ctypes.c_void_p]
     return lib
 
 
@@ -124,9 +128,67 @@ def test_backward_ex_with_other_key_lengths_and_strides(lib):
     ok(lib, lib.cuflash_attention_forward_ex(BF16, bhnd(q), bhnd(k), bhnd(v), bhnd(out), stat(lse), b, h, h, sq, sk,
                                              d, scale, 1, stream()))
     ok(lib, lib.cuflash_attention_backward_ex(BF16, bhnd(dout), bhnd(q), bhnd(k), bhnd(v), bhnd(out), stat(lse),
-                                              bhnd(dq), bhnd(dk), bhnd(dv), b, h, h, sq, sk, d, scale, 1, stream()))
+                                              bhnd(dq), bhnd(dk), bhnd(dv), b, h, h, sq, sk, d, scale, 1, 0,
+                                              stream()))
     torch.cuda.synchronize()
     assert_backward_accurate((dq, dk, dv), dout, q, k, v, True)
+
+
+def forward_ex(lib, q, k, v, causal):
+    """(out, lse) of (B, N, H, D) views through cuflash_attention_forward_ex."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, sq), float("nan"), device="cuda")
+    ok(lib, lib.cuflash_attention_forward_ex(BF16, bhnd(q), bhnd(k), bhnd(v), bhnd(out), stat(lse), b, h, hkv, sq, sk,
+                                             d, 1 / math.sqrt(d), causal, stream()))
+    return out, lse
+
+
+def backward_ex(lib, dout, q, k, v, out, lse, causal, deterministic=0):
+    """(dq, dk, dv) through cuflash_attention_backward_ex, in fresh NaN-filled tensors (so any
+    element the library leaves unwritten shows), after the work on the stream finished."""
+    b, sq, h, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    ok(lib, lib.cuflash_attention_backward_ex(BF16, bhnd(dout), bhnd(q), bhnd(k), bhnd(v), bhnd(out), stat(lse),
+                                              bhnd(dq), bhnd(dk), bhnd(dv), b, h, hkv, sq, sk, d, 1 / math.sqrt(d),
+                                              causal, deterministic, stream()))
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("seqlen_q, seqlen_k", [(113, 203), (300, 100)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa-8:2", "mqa-8:1"])
+def test_grouped_query_backward(lib, kv_heads, causal, seqlen_q, seqlen_k):
+    """8 query heads on 2 (GQA) or 1 (MQA) key/value heads: each group's dK and dV summed by the
+    library's group-sum kernel. (300, 100) causal: the first 200 query rows see no key."""
+    b, h, d = 2, 8, 64
+    q, dout = (randn(b, seqlen_q, h, d, dtype=torch.bfloat16, transposed=True) for _ in range(2))
+    k, v = (randn(b, seqlen_k, kv_heads, d, dtype=torch.bfloat16) for _ in range(2))
+    assert lib.cuflash_backward_variant_exported(BF16, d, int(causal), 1, 0) == 1
+    out, lse = forward_ex(lib, q, k, v, causal)
+    grads = backward_ex(lib, dout, q, k, v, out, lse, causal)
+    assert [tuple(g.shape) for g in grads] == [tuple(q.shape), tuple(k.shape), tuple(v.shape)]
+    assert_backward_accurate(grads, dout, q, k, v, causal)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 2], ids=["mha", "gqa-8:2"])
+def test_the_deterministic_backward_is_bit_identical(lib, kv_heads):
+    """deterministic = 1: three backward calls on the same inputs give bitwise-equal dq (whose
+    partial sums the key blocks add in turn), dk and dv. 1000 x 1000 causal: up to 8 key blocks
+    add to one query block."""
+    b, h, n, d = 2, 8, 1000, 64
+    q, dout = (randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(2))
+    k, v = (randn(b, n, kv_heads, d, dtype=torch.bfloat16, transposed=True) for _ in range(2))
+    assert lib.cuflash_backward_variant_exported(BF16, d, 1, int(kv_heads < h), 1) == 1
+    out, lse = forward_ex(lib, q, k, v, True)
+    runs = [backward_ex(lib, dout, q, k, v, out, lse, True, deterministic=1) for _ in range(3)]
+    for other in runs[1:]:
+        for name, first, again in zip(("dq", "dk", "dv"), runs[0], other):
+            assert torch.equal(first, again), f"{name} differs between deterministic runs"
+    assert_backward_accurate(runs[0], dout, q, k, v, True)
 
 
 def test_a_variant_left_out_and_f32_are_refused_on_the_gpu_too(lib):
