@@ -227,20 +227,20 @@ SHARED_KERNELS = ("FlashAttnBwdPreprocessSm80",)
 """Kernels both families use (the backward's preprocess): no family's mark."""
 
 
-def expected_backward_family(head_dim: int) -> str:
+def _expected_family(head_dim: int, hopper_head_dims) -> str:
     forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
     if forced:
         return forced
     hopper = torch.cuda.get_device_capability()[0] == 9
-    return "sm90" if hopper and head_dim in SM90_BACKWARD_HEAD_DIMS else "sm80"
+    return "sm90" if hopper and head_dim in hopper_head_dims else "sm80"
+
+
+def expected_backward_family(head_dim: int) -> str:
+    return _expected_family(head_dim, SM90_BACKWARD_HEAD_DIMS)
 
 
 def expected_forward_family(head_dim: int) -> str:
-    forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
-    if forced:
-        return forced
-    hopper = torch.cuda.get_device_capability()[0] == 9
-    return "sm90" if hopper and head_dim in SM90_FORWARD_HEAD_DIMS else "sm80"
+    return _expected_family(head_dim, SM90_FORWARD_HEAD_DIMS)
 
 
 def family_of(key) -> str | None:
