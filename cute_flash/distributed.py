@@ -291,8 +291,10 @@ def ring_flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g
 # --- Sharding a sequence ----------------------------------------------------------------------------
 
 
-def _chunks(length: int, world_size: int, layout: str) -> int:
-    """How many equal chunks the sequence is cut into, checked."""
+def check_sequence_split(length: int, world_size: int, layout: str = "zigzag") -> int:
+    """How many equal chunks a sequence of `length` is cut into for `world_size` ranks; a typed
+    error when it cannot be."""
+    check_layout(layout)
     pieces = 2 * world_size if layout == "zigzag" else world_size
     if length % pieces:
         raise InvalidDimensionError(
@@ -306,7 +308,7 @@ def shard_sequence(x: torch.Tensor, dim: int, rank: int, world_size: int, layout
     layout = check_layout(layout)
     if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int) and 0 <= rank < world_size):
         raise InvalidDimensionError(f"need 0 <= rank < world_size, got rank {rank!r}, world_size {world_size!r}")
-    chunks = x.chunk(_chunks(x.shape[dim], world_size, layout), dim)
+    chunks = x.chunk(check_sequence_split(x.shape[dim], world_size, layout), dim)
     if layout == "contiguous":
         return chunks[rank].clone(memory_format=torch.contiguous_format)
     return torch.cat((chunks[rank], chunks[2 * world_size - 1 - rank]), dim)

@@ -277,7 +277,13 @@ def run_all(rank: int, world_size: int, device, cases=CASES) -> dict:
     return report
 
 
+def keep_multicast_off() -> None:
+    """NVLink multicast (NVLS) stays off (docs/distributed.md), before NCCL starts."""
+    os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
+
+
 def _spawned(rank: int, world_size: int, store: str, results: str) -> None:
+    keep_multicast_off()
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world_size,
@@ -336,6 +342,7 @@ def test_ring_matches_single_gpu_kernels(world_size, case):
 
 def main() -> int:
     """Under torchrun: every case on every rank, verdicts printed by rank 0."""
+    keep_multicast_off()
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
     torch.cuda.set_device(device)
