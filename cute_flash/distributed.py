@@ -80,7 +80,8 @@ class RingBlock(NamedTuple):
 
 def check_layout(layout) -> str:
     if layout not in LAYOUTS:
-        raise UnsupportedArgumentError(f"layout={layout!r} is not supported; use one of {', '.join(map(repr, LAYOUTS))}")
+        raise UnsupportedArgumentError(
+            f"layout={layout!r} is not supported; use one of {', '.join(map(repr, LAYOUTS))}")
     return layout
 
 

@@ -46,6 +46,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PASSES = ("fwd", "fwdbwd")
 DEFAULT_SEQLENS = (65536, 131072, 262144, 524288)
 REPO = Path(__file__).resolve().parents[1]
+DEVICE = "cuda"  # the CPU test points this at "cpu" to run the whole loop in one gloo process
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _release() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
 
 
 @dataclass(frozen=True)
@@ -117,7 +128,8 @@ def markdown_table(doc: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         lines.append(
-            f"| {r['seqlen'] // 1024}k | {'causal' if r['causal'] else 'full'} | {r['pass']} | {_fmt(r.get('ring_ms'), '.1f')} "
+            f"| {r['seqlen'] // 1024}k | {'causal' if r['causal'] else 'full'} | {r['pass']} "
+            f"| {_fmt(r.get('ring_ms'), '.1f')} "
             f"| {_fmt(r.get('ring_tflops_per_gpu'), '.0f')} | {_fmt(r.get('share_tflops'), '.0f')} "
             f"| {_fmt(r.get('vs_share'), '.2f')} | {_fmt(r.get('full_ms'), '.1f')} "
             f"| {_fmt(r.get('scaling_efficiency'), '.0%')} | {_fmt(r.get('overlap'), '.2f')} "
@@ -146,7 +158,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed calls per measurement (default: 3)")
     p.add_argument("--warmup", type=int, default=1, help="untimed calls first (default: 1)")
     p.add_argument("--full-max-seqlen", type=int, default=131072,
-                   help="longest sequence also run whole on one GPU for the scaling efficiency (default: 131072; 0: never)")
+                   help="longest sequence also run whole on one GPU, for the scaling efficiency "
+                        "(default: 131072; 0: never)")
     p.add_argument("--no-compute-only", action="store_true", help="skip the ring without messages")
     args = p.parse_args(argv)
     args.nheads_kv = args.nheads_kv or args.nheads
@@ -199,12 +212,12 @@ def _timed(fn, reps: int, warmup: int) -> float:
     times = []
     for _ in range(reps):
         dist.barrier()
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append((time.perf_counter() - start) * 1e3)
-    slowest = torch.tensor([statistics.median(times)], device="cuda")
+    slowest = torch.tensor([statistics.median(times)], device=DEVICE)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.item()
 
@@ -218,10 +231,10 @@ def _one_gpu_ms(cell: CpCell, seqlen: int, dtype, reps: int, warmup: int) -> flo
         fn()
     times = []
     for _ in range(reps):
-        torch.cuda.synchronize()
+        _sync()
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -229,8 +242,9 @@ def _one_gpu_ms(cell: CpCell, seqlen: int, dtype, reps: int, warmup: int) -> flo
 def _inputs(cell: CpCell, seqlen: int, dtype, grad: bool):
     shape_q = (cell.batch, seqlen, cell.nheads, cell.headdim)
     shape_kv = (cell.batch, seqlen, cell.nheads_kv, cell.headdim)
-    q, k, v = (torch.randn(s, device="cuda", dtype=dtype).requires_grad_(grad) for s in (shape_q, shape_kv, shape_kv))
-    return q, k, v, torch.randn(shape_q, device="cuda", dtype=dtype) if grad else None
+    q, k, v = (torch.randn(s, device=DEVICE, dtype=dtype).requires_grad_(grad)
+               for s in (shape_q, shape_kv, shape_kv))
+    return q, k, v, torch.randn(shape_q, device=DEVICE, dtype=dtype) if grad else None
 
 
 def _runner(call, leaves, dout, pass_: str):
@@ -256,6 +270,24 @@ def _no_messages_ring(ring):
     return Local()
 
 
+def _ring_times(cell: CpCell, args, world_size: int, dtype) -> dict:
+    """ring_ms, and compute_ms unless --no-compute-only, on this rank's random shards."""
+    from cute_flash import distributed
+
+    q, k, v, dout = _inputs(cell, cell.seqlen // world_size, dtype, grad=cell.pass_ == "fwdbwd")
+    ring = distributed._Ring(None)
+    scale = cell.headdim ** -0.5
+
+    def ring_call(which):
+        return lambda: distributed._RingAttention.apply(q, k, v, which, args.layout, cell.causal, scale, False)[0]
+
+    times = {"ring_ms": _timed(_runner(ring_call(ring), (q, k, v), dout, cell.pass_), args.reps, args.warmup)}
+    if not args.no_compute_only:
+        local = _runner(ring_call(_no_messages_ring(ring)), (q, k, v), dout, cell.pass_)
+        times["compute_ms"] = _timed(local, args.reps, args.warmup)
+    return times
+
+
 def measure_cell(cell: CpCell, args, rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
@@ -270,36 +302,24 @@ def measure_cell(cell: CpCell, args, rank: int, world_size: int) -> dict:
     row.pop("pass_")
     try:
         distributed.check_sequence_split(cell.seqlen, world_size, args.layout)
-        q, k, v, dout = _inputs(cell, cell.seqlen // world_size, dtype, grad=cell.pass_ == "fwdbwd")
-        ring = distributed._Ring(None)
-        scale = cell.headdim ** -0.5
-
-        def ring_call(which):
-            return lambda: distributed._RingAttention.apply(q, k, v, which, args.layout, cell.causal, scale, False)[0]
-
-        row["ring_ms"] = _timed(_runner(ring_call(ring), (q, k, v), dout, cell.pass_), args.reps, args.warmup)
-        if not args.no_compute_only:
-            local = _runner(ring_call(_no_messages_ring(ring)), (q, k, v), dout, cell.pass_)
-            row["compute_ms"] = _timed(local, args.reps, args.warmup)
-        del q, k, v, dout
-        torch.cuda.empty_cache()
+        row.update(_ring_times(cell, args, world_size, dtype))
         row["status"] = "ok"
     except Exception as error:  # noqa: BLE001  (recorded; the next cell still runs)
         row["status"] = classify_error(error)
-        torch.cuda.empty_cache()
+    _release()  # the ring's buffers, before one GPU runs alone
     for name, seqlen, wanted in (("share_ms", cell.seqlen // world_size, True),
                                  ("full_ms", cell.seqlen, 0 < cell.seqlen <= args.full_max_seqlen)):
         if not wanted:
             continue
         # One GPU alone while the others wait in the broadcast, which every rank reaches (a
         # failure on rank 0 is sent as -1) so that the collectives stay in step.
-        value = torch.full((1,), -1.0, device="cuda")
+        value = torch.full((1,), -1.0, device=DEVICE)
         if rank == 0:
             try:
                 value[0] = _one_gpu_ms(cell, seqlen, dtype, args.reps, args.warmup)
             except Exception as error:  # noqa: BLE001
                 row[name.replace("_ms", "_status")] = classify_error(error)
-            torch.cuda.empty_cache()
+            _release()
         dist.broadcast(value, src=0)
         if value.item() > 0:
             row[name] = value.item()
@@ -312,9 +332,7 @@ def run(rank: int, world_size: int, args) -> None:
 
     cells = cells_for(args)
     if rank == 0:
-        facts = {"gpu": results.gpu_info(torch.cuda.current_device()), "git": results.git_commit(REPO),
-                 "versions": results.versions(), "environment": results.environment()}
-        doc = new_doc(args, world_size, facts, results.utc_now())
+        doc = new_doc(args, world_size, machine_facts(), results.utc_now())
         stem = doc_stem(doc)
     for i, cell in enumerate(cells):
         if rank == 0:
@@ -327,6 +345,11 @@ def run(rank: int, world_size: int, args) -> None:
             write(doc, args.out, stem)
     if rank == 0:
         print(markdown_table(doc), flush=True)
+
+
+def machine_facts() -> dict:
+    return {"gpu": results.gpu_info(torch.cuda.current_device()), "git": results.git_commit(REPO),
+            "versions": results.versions(), "environment": results.environment()}
 
 
 def new_doc(args, world_size: int, facts: dict, now: datetime.datetime) -> dict:

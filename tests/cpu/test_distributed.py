@@ -157,6 +157,31 @@ def test_without_a_process_group_it_is_plain_attention(stand_ins, layout, causal
     assert [c["softmax_scale"] for c in stand_ins.backward_calls] == [0.4]
 
 
+def test_deterministic_reaches_every_step(stand_ins):
+    q, k, v = (t.requires_grad_() for t in qkv())
+    ring_flash_attn_func(q, k, v, causal=True, deterministic=True).sum().backward()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ring_flash_attn_func(q, k, v).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    ring_flash_attn_func(q, k, v).sum().backward()
+    assert [c["deterministic"] for c in stand_ins.backward_calls] == [True, True, False]
+
+
+def test_merge_keeps_rows_no_key_has_reached_at_zero():
+    """The LSE merge in float32, with rows at lse = -inf on one side or both (exp(-inf - -inf) is nan)."""
+    out = torch.zeros(1, 3, 1, 2)
+    lse = torch.tensor([[[float("-inf"), float("-inf"), 0.0]]])
+    block_out = torch.tensor([[[[1.0, 2.0]], [[5.0, 5.0]], [[3.0, 4.0]]]])
+    block_lse = torch.tensor([[[float("-inf"), 0.0, 0.0]]])
+    out[0, 2, 0] = torch.tensor([1.0, 0.0])
+    distributed._merge(out, lse, block_out, block_lse)
+    assert torch.equal(out[0, :, 0], torch.tensor([[0.0, 0.0], [5.0, 5.0], [2.0, 2.0]]))
+    assert torch.isneginf(lse[0, 0, 0]) and lse[0, 0, 1] == 0
+    assert torch.isclose(lse[0, 0, 2], torch.log(torch.tensor(2.0)))
+
+
 def test_ring_errors_are_typed_and_raised_before_any_message(stand_ins):
     q, k, v = qkv()
     message = expect(ErrorCode.INVALID_DIMENSION, cute_flash.UnsupportedArgumentError, ring_flash_attn_func, q, k, v,
@@ -286,6 +311,7 @@ def _worker(rank: int, world_size: int, store: str, results: str) -> None:
             report["typed error"] = "no error"
         except cute_flash.InvalidDimensionError as error:
             report["typed error"] = type(error).__name__
+        report["after the typed error"] = run_case(CASES[0], rank, world_size, groups)
         dist.barrier()
     finally:
         with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
@@ -304,11 +330,9 @@ def ring_reports(tmp_path_factory):
     return reports
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("world_size, case", [(w, c) for w in WORLD_SIZES for c in cases_for(w)],
+                         ids=lambda p: p.name if isinstance(p, Case) else f"{p}procs")
 def test_ring_matches_the_reference_on_the_whole_sequence(ring_reports, world_size, case):
-    if case not in cases_for(world_size):
-        pytest.skip("rings over subgroups need 4 processes")
     for rank, report in enumerate(ring_reports[world_size]):
         result = report[case.name]
         assert not result["errors"], f"rank {rank}: " + "\n".join(result["errors"])
@@ -330,6 +354,7 @@ def test_ring_work_follows_the_plan(ring_reports, world_size):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_ring_rejects_bad_shards_on_every_rank_and_stays_usable(ring_reports, world_size):
     assert [r["typed error"] for r in ring_reports[world_size]] == ["InvalidDimensionError"] * world_size
+    assert all(not r["after the typed error"]["errors"] for r in ring_reports[world_size])
 
 
 def test_gpu_harness_runs_and_measures_sensible_errors(ring_reports):
@@ -346,7 +371,7 @@ def test_gpu_harness_runs_and_measures_sensible_errors(ring_reports):
         for tensor in ("out", "dq", "dk", "dv"):
             v = tensors[tensor]
             assert 0 < v["torch_same_dtype"] < 0.1, (name, tensor, v)
-            assert v["vs_float64"] <= 4 * v["torch_same_dtype"] and v["vs_ours"] <= 4 * v["torch_same_dtype"], (name, tensor, v)
+            assert max(v["vs_float64"], v["vs_ours"]) <= 4 * v["torch_same_dtype"], (name, tensor, v)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -130,3 +130,37 @@ def test_multicast_stays_off():
     environ = {"NCCL_NVLS_ENABLE": "1"}
     cp.keep_multicast_off(environ)
     assert environ == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def test_the_whole_loop_runs_in_one_cpu_process(tmp_path, monkeypatch):
+    """run() end to end on the CPU: one gloo rank, the float64 stand-ins for the kernels (the ring's
+    steps and flash_attn_func's), tiny shapes; the numbers mean nothing, the bookkeeping is real."""
+    import torch
+    import torch.distributed as dist
+
+    from cute_flash import distributed
+
+    from .reference_kernels import install
+
+    install(monkeypatch)
+    monkeypatch.setattr(cp, "DEVICE", "cpu")
+    monkeypatch.setattr(cp, "DTYPES", {"bf16": torch.float32})
+    monkeypatch.setattr(cp, "machine_facts", lambda: {"gpu": {"name": "cpu"}, "git": {"commit": "test"},
+                                                      "versions": {}, "environment": {}})
+    monkeypatch.setattr(distributed, "_step_kernels", None)  # through cute_flash.api, as on the GPU
+    args = cp.parse_args(["--out", str(tmp_path), "--seqlens", "32,48", "--nheads", "2", "--headdim", "8",
+                          "--reps", "2", "--warmup", "0", "--full-max-seqlen", "32"])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cp.run(0, 1, args)
+    finally:
+        dist.destroy_process_group()
+    (json_path,) = tmp_path.glob("cp-cpu-x1-zigzag-*-test.json")
+    doc = json.loads(json_path.read_text())
+    assert doc["complete"] and len(doc["rows"]) == 2 * 2 * 2
+    for row in doc["rows"]:
+        assert row["status"] == "ok", row
+        assert row["ring_ms"] > 0 and row["compute_ms"] > 0 and row["share_ms"] > 0
+        assert ("full_ms" in row) == (row["seqlen"] == 32)
+        assert row["ring_tflops_per_gpu"] > 0 and row["vs_share"] > 0
+    assert (tmp_path / json_path.name.replace(".json", ".md")).read_text() == cp.markdown_table(doc)

@@ -177,8 +177,7 @@ def _torch_context_parallel(q, k, v, dout, causal, mesh, seqlen):
     leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]  # SDPA's (b, h, s, d)
     api.forward, api.backward = counted("forward", real[0]), counted("backward", real[1])
     try:
-        with sdpa.enabled(), context_parallel(mesh, buffers=[positions], buffer_seq_dims=[2],
-                                              no_restore_buffers={positions}):
+        with sdpa.enabled(), context_parallel(mesh, buffers=[positions], buffer_seq_dims=[2]):
             out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
             grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2))
     finally:
@@ -246,9 +245,11 @@ def _unavailable(case: Case) -> str | None:
     if not hasattr(torch.nn.attention, "register_flash_attention_impl"):
         return f"torch {torch.__version__} has no flash-attention registry for cute_flash.sdpa"
     try:
-        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+        import torch.distributed.tensor.experimental as experimental
     except ImportError as error:
         return f"torch {torch.__version__} has no context_parallel ({error})"
+    if not hasattr(experimental, "context_parallel"):
+        return f"torch {torch.__version__} has no torch.distributed.tensor.experimental.context_parallel"
     return None
 
 
