@@ -19,7 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "forward", "backward",
-    "reference_attention", "CuteFlashError", "ErrorCode", "CudaError", "DimensionMismatchError",
+    "ring_flash_attn_func", "reference_attention", "CuteFlashError", "ErrorCode", "CudaError", "DimensionMismatchError",
     "InvalidDimensionError", "MissingDependencyError", "MissingTensorError", "OutOfMemoryError",
     "UnsupportedArgumentError", "UnsupportedDtypeError", "UnsupportedHeadDimError",
 ]
@@ -35,4 +35,8 @@ def __getattr__(name):
         from . import flash_attn_interface
 
         return getattr(flash_attn_interface, name)
+    if name == "ring_flash_attn_func":
+        from . import distributed
+
+        return distributed.ring_flash_attn_func
     raise AttributeError(f"module 'cute_flash' has no attribute {name!r}")

@@ -1,21 +1,25 @@
-"""`python -m cute_flash.perf bench|dashboard ...`."""
+"""`python -m cute_flash.perf bench|dashboard|cp ...`."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m cute_flash.perf {bench,dashboard} [options]  (--help after either for its options)"
+COMMANDS = ("bench", "dashboard", "cp")
+USAGE = ("usage: python -m cute_flash.perf {bench,dashboard,cp} [options]  (--help after any for its options; "
+         "cp on several GPUs: torchrun --nproc_per_node=N -m cute_flash.perf.cp)")
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("bench", "dashboard"):
+    if not argv or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     if argv[0] == "bench":
         from .bench import main as run
-    else:
+    elif argv[0] == "dashboard":
         from .dashboard import main as run
+    else:
+        from .cp import main as run
     return run(argv[1:])
 
 

@@ -25,7 +25,30 @@ def gpu_required() -> bool:
     return os.environ.get(REQUIRE_GPU, "0") not in ("", "0", "false", "no", "off")
 
 
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _deselect_multi_gpu(config, items) -> None:
+    """Tests marked `multigpu(n)` are left out (deselected, not skipped) where fewer than n GPUs
+    are visible: a single-GPU run with CUTE_FLASH_REQUIRE_GPU set stays green without them, and a
+    machine with n GPUs runs them (where a skip inside one does count as a failure)."""
+    count, kept, dropped = None, [], []
+    for item in items:
+        marker = item.get_closest_marker("multigpu")
+        if marker is not None:
+            count = _gpu_count() if count is None else count
+            if count < (marker.args[0] if marker.args else 2):
+                dropped.append(item)
+                continue
+        kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 def pytest_collection_modifyitems(config, items):
+    _deselect_multi_gpu(config, items)
     reason = _gpu_reason()
     if reason is None:
         return

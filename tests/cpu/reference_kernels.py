@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from cute_flash import api, reference_attention
+from cute_flash import reference_attention
 from cute_flash.reference import causal_allowed
 
 
@@ -34,18 +34,22 @@ class ReferenceKernels:
     def backward(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
                  deterministic=False):
         """FlashAttention-2's backward equations in float64 (the kernels run below autograd, so the
-        stand-in cannot differentiate the reference itself)."""
+        stand-in cannot differentiate the reference itself). Like the kernels, it takes P from the
+        given `lse` (P = exp(scale * S - lse)) and D = rowsum(dO * O) from the given `out`, never from
+        a softmax of its own: a caller that passes the out and lse of a larger attention (ring
+        attention passes the merged ones of the whole sequence) gets that attention's gradients."""
         self.backward_calls.append({"softmax_scale": softmax_scale, "causal": causal, "deterministic": deterministic})
         scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         group = q.shape[2] // k.shape[2]
-        qh, doh = (t.double().transpose(1, 2) for t in (q, dout))
+        qh, doh, oh = (t.double().transpose(1, 2) for t in (q, dout, out))
         kh, vh = (t.double().transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
         scores = qh @ kh.transpose(-1, -2) * scale
         if causal:
             scores = scores.masked_fill(~causal_allowed(q.shape[1], k.shape[1]), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        # A row that sees no key has lse = -inf: exp(-inf - (-inf)) is nan there, and its P is 0.
+        probs = torch.exp(scores - lse.double().unsqueeze(-1)).nan_to_num(0.0)
         dp = doh @ vh.transpose(-1, -2)
-        ds = probs * (dp - (dp * probs).sum(-1, keepdim=True))
+        ds = probs * (dp - (doh * oh).sum(-1, keepdim=True))
         grads = [(ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale, probs.transpose(-1, -2) @ doh]
 
         def per_kv_head(t):
@@ -64,6 +68,8 @@ class ReferenceKernels:
 
 
 def install(monkeypatch) -> ReferenceKernels:
+    from cute_flash import api  # the CuTe DSL comes with it: only for the tests that patch it
+
     kernels = ReferenceKernels()
     monkeypatch.setattr(api, "forward", kernels.forward)
     monkeypatch.setattr(api, "backward", kernels.backward)

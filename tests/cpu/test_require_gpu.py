@@ -31,11 +31,22 @@ def test_cpu_skipped_inside():
 '''
 
 
-def run_suite(tmp_path, require):
+MULTI_GPU_SUITE = '''
+import pytest
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu(4096)
+def test_needs_more_gpus_than_any_host():
+    pass
+'''
+
+
+def run_suite(tmp_path, require, suite=SUITE):
     """(exit code, {test name: outcome}) of the small suite, with the switch set as given."""
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a CUDA GPU\n    multigpu(n): needs n GPUs\n")
     (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_collection_modifyitems, pytest_runtest_makereport  # noqa: F401\n")
-    (tmp_path / "test_suite.py").write_text(textwrap.dedent(SUITE))
+    (tmp_path / "test_suite.py").write_text(textwrap.dedent(suite))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "CUTE_FLASH_REQUIRE_GPU": "1" if require else "0"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=report.xml"],
@@ -76,3 +87,11 @@ def test_switch_values(monkeypatch, value, required):
 
     monkeypatch.setenv("CUTE_FLASH_REQUIRE_GPU", value)
     assert gpu_required() is required
+
+
+def test_multi_gpu_tests_are_deselected_not_skipped_on_smaller_hosts(tmp_path):
+    """A test that needs more GPUs than the host has is left out before it runs: with the switch
+    on, a single-GPU run stays green (tests/gpu/test_distributed.py relies on this)."""
+    code, outcomes, output = run_suite(tmp_path, require=True, suite=MULTI_GPU_SUITE)
+    assert code == 5, output  # pytest's "no tests ran"
+    assert outcomes == {} and "1 deselected" in output
