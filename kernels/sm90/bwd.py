@@ -70,19 +70,6 @@ def dq_tiled_mma(config) -> cute.TiledMma:
     )
 
 
-def kv_smem_layout(config) -> cute.ComposedLayout:
-    """K's (and V's) smem tile (n, d, 1), K-major. Each MMA warp group reads its own column slice
-    of K transposed as dQ's B operand, so the swizzle atom must tile that slice: at head_dim 96 the
-    48-column slices need a 16-column (32-byte) atom rather than the 32-column one 96 would get."""
-    slice_cols = config.head_dim // dq_atom_layout(config.m_block_size)[1]
-    atom_cols = next(w for w in (64, 32, 16) if config.head_dim % w == 0)
-    major = config.head_dim if slice_cols % atom_cols == 0 or atom_cols % slice_cols == 0 else slice_cols
-    atom = sm90_utils.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, config.dtype, major), config.dtype
-    )
-    return cute.tile_to_shape(atom, (config.n_block_size, config.head_dim, 1), order=(0, 1, 2))
-
-
 def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.Tensor:
     """Thread `thread`'s accumulator elements in a flat fp32 dQ tile, 4 at a time: element e at
     (e // 4) * 4 * num_threads + 4 * thread + e % 4. Both the smem staging buffer and the global
@@ -148,7 +135,7 @@ class FlashAttnBwdSm90:
         # K-major B of S^T / dP^T and, transposed, the MN-major B of dK / dV; K (n, d) is the
         # K-major A of S^T and, transposed, the MN-major B of dQ; dS (m, n) is stored m-major.
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (m, n, d), cfg.dtype, cfg.q_stages)
-        sK_layout = kv_smem_layout(cfg)
+        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (n, m, d), cfg.dtype, 1)
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (m, d, n), cfg.dtype, cfg.q_stages)
         sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
         sK_tile = cute.slice_(sK_layout, (None, None, 0))

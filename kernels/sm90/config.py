@@ -265,7 +265,7 @@ def _length_settings(dtype, head_dim: int, causal: bool, length: str, num_sms: i
 # The Hopper backward (kernels/sm90/bwd.py, bwd_post.py)
 
 # Head dims the Hopper backward implements; the others run the sm80 backward.
-BWD_HEAD_DIMS = (64, 96, 128)
+BWD_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
