@@ -479,7 +479,7 @@ def build_parser() -> ArgumentParser:
         p.add_argument("--jobs", type=jobs_arg, default=os.cpu_count() or 2,
                        help="compiles at once (default: one per CPU core)")
         p.add_argument("--passes", type=comma_list(pass_arg), default="fwd,bwd" if name == "warmup" else "fwd",
-                       help="fwd, bwd or fwd,bwd (the backward kernels are the sm80 family's)")
+                       help="fwd, bwd or fwd,bwd (the backward kernels of the family dispatch picks for each head dim)")
         if name == "warmup":
             p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
     p = sub.add_parser("layouts", help="the layouts, atoms and copies a dispatched kernel builds (docs/layouts.md)")
