@@ -161,9 +161,20 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
         launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, causal, length)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
-        launch(kernel_input(q), kernel_input(k), kernel_input(v), out_k, lse_k, scale)
+        q_k, scale_k = _uniform_scores(q, scale)
+        launch(q_k, kernel_input(k), kernel_input(v), out_k, lse_k, scale_k)
         return (to_caller(caller_q, caller_out, deliver(out, out_k)),
                 to_caller(caller_q, caller_lse, deliver(lse, lse_k)))
+
+
+def _uniform_scores(q, scale: float):
+    """The kernels' q and scale. softmax_scale = 0 weighs every visible key alike, but the kernels
+    mask scores with -inf before they scale them (and start a row's maximum at -inf), and
+    -inf * 0 is NaN; so they get zero scores at scale 1 instead: the same probabilities exactly
+    and the same LSE (the log of the number of visible keys)."""
+    if scale == 0.0:
+        return torch.zeros_like(q, memory_format=torch.contiguous_format), 1.0
+    return kernel_input(q), scale
 
 
 def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
@@ -194,7 +205,10 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
         gqa = problem.nheads != problem.nheads_kv
         launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, causal,
                            deterministic, gqa)
-        launch(kernel_input(dout), kernel_input(q), kernel_input(k), kernel_input(v), kernel_input(out),
-               kernel_input(lse, STAT_ALIGN), *grads, scale)
+        q_k, scale_k = _uniform_scores(q, scale)
+        launch(kernel_input(dout), q_k, kernel_input(k), kernel_input(v), kernel_input(out),
+               kernel_input(lse, STAT_ALIGN), *grads, scale_k)
+        if scale == 0.0:
+            grads[0].zero_()  # dQ = scale * dS K, and so is dK (zero through the zero q above)
         return tuple(to_caller(like, caller_grad, deliver(given, written))
                      for like, caller_grad, given, written in zip(*callers, (dq, dk, dv), grads))
