@@ -19,7 +19,7 @@ fi
 HEAD_DIMS=32,64,72,96,128,192,256
 JOBS=$(nproc)
 start=$(date +%s)
-cute-flash warmup --jobs "$JOBS" --head-dims "$HEAD_DIMS" --passes fwd 2>&1 | tail -1
+cute-flash warmup --jobs "$JOBS" --head-dims "$HEAD_DIMS" --passes fwd,bwd 2>&1 | tail -1
 CUTE_FLASH_KERNEL_ARCH=sm80 cute-flash warmup --jobs "$JOBS" --head-dims "$HEAD_DIMS" --gqa 2>&1 | tail -1
 python3 -m tests.gpu.warm_sweep --jobs "$JOBS" 2>&1 | tail -1
 echo "warmup: $(( $(date +%s) - start )) s"

@@ -5,7 +5,8 @@
   sm90 forward   a short causal problem (persistent walk, planned tail) and a long non-causal one
                  with fewer tiles than SMs (dynamic schedule, tiles split along the keys)
   sm80 forward   the short causal problem with CUTE_FLASH_KERNEL_ARCH=sm80
-  sm80 backward  preprocess, main and postprocess kernels, grouped query heads
+  backward       preprocess, main and postprocess kernels, grouped query heads, d64: the native
+                 family's (the sm90 backward on Hopper) and the sm80 family's
 
 On a GPU without sm90 kernels the sm90 lines run the sm80 family. Each call's outputs are checked
 for unwritten NaN poison. With --expect-warm the script fails if any kernel had to be compiled:
@@ -61,9 +62,13 @@ def main(argv=None) -> int:
 
     q, k, v, dout = randn(1, 300, 4, 64), randn(1, 257, 2, 64), randn(1, 257, 2, 64), randn(1, 300, 4, 64)
     out, lse = cute_flash.forward(q, k, v, causal=True)
-    grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-    cute_flash.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], causal=True)
-    checked("backward, sm80 family, causal d64 GQA 4:2", *grads)
+    for family in ("native", "sm80"):
+        if family == "sm80":
+            os.environ["CUTE_FLASH_KERNEL_ARCH"] = "sm80"
+        grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
+        cute_flash.backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], causal=True)
+        checked(f"backward, {family} family, causal d64 GQA 4:2", *grads)
+    del os.environ["CUTE_FLASH_KERNEL_ARCH"]
 
     if args.expect_warm and cache.stats["compiled"]:
         print(f"{cache.stats['compiled']} kernels were compiled in this run: warm the cache first", file=sys.stderr)
