@@ -29,6 +29,7 @@ tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
 
@@ -263,7 +264,10 @@ class FlashAttnBwdSm80:
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
     ):
-        m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
+        """Algorithm 2 for one key block j of one (batch, query head): K_j and V_j into smem, then
+        for every query block i that sees them P_ij is recomputed, dV_j and dK_j accumulate in
+        registers and dQ_i goes to the workspace; dK_j and dV_j are written at the end."""
+        m, n = self.m_block_size, self.n_block_size
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
         seqlen_q = mQ.shape[1]
@@ -277,9 +281,50 @@ class FlashAttnBwdSm80:
         m_block_max_mask = m_block_min
         if cutlass.const_expr(self.causal):
             m_block_max_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
-        last_n_block_partial = (n_block + 1) * n > seqlen_k
+        # Where this CTA sits and how far its blocks reach, for the per-block steps and the epilogue.
+        cta = SimpleNamespace(
+            batch=batch, head=head, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tidx=tidx,
+            m_block_max=m_block_max, m_block_max_mask=m_block_max_mask,
+            last_n_block_partial=(n_block + 1) * n > seqlen_k,
+        )
 
-        # ---------------------------------------------------------------- global tiles
+        g = self.global_tiles(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, cta, head_kv)
+        s = self.smem_tiles(SharedStorage, sQ_layout, sdO_layout, sKV_layout, sPdS_layout)
+        ld = self.load_partitions(gmem_tiled_copy, g, s, tidx)
+        mma = self.mma_partitions(tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, s, tidx)
+        # dK_j and dV_j accumulate in registers over the whole walk.
+        acc_dK = cute.make_rmem_tensor(mma.acc_shape_dKV, Float32)
+        acc_dV = cute.make_rmem_tensor(mma.acc_shape_dKV, Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+
+        if m_block_min < m_block_max:
+            # K_j and V_j stay in smem for the whole walk; Q and dO of the first block come with them.
+            self.load_tile(gmem_tiled_copy, ld.tKgK, ld.tKsK, ld.tKcK, seqlen_k - n_block * n)
+            self.load_tile(gmem_tiled_copy, ld.tVgV, ld.tVsV, ld.tKcK, seqlen_k - n_block * n)
+            self.load_Q_LSE(ld, m_block_min, 0, seqlen_q, tidx)
+            self.load_dO_dPsum(ld, m_block_min, 0, seqlen_q, tidx)
+            cute.arch.cp_async_commit_group()
+
+            stage_q = Int32(0)
+            stage_do = Int32(0)
+            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
+                self.m_block_step(mma, ld, cta, acc_dK, acc_dV, m_block, stage_q, stage_do, scale_log2,
+                                  g.gdQaccum, mdQsemaphore)
+                if cutlass.const_expr(self.num_stages_Q > 1):
+                    stage_q = 1 - stage_q
+                if cutlass.const_expr(self.num_stages_dO > 1):
+                    stage_do = 1 - stage_do
+
+        self.store_dK_dV(acc_dK, acc_dV, mdK, mdV, s.sK, s.sV, tiled_mma_dkv, gmem_store, softmax_scale, cta)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def global_tiles(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, cta, head_kv):
+        """This CTA's views of global memory: every query block of Q, dO and their row statistics
+        (indexed by m_block), the key block n_block of K and V, and the dQ workspace."""
+        m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
+        batch, head, n_block = cta.batch, cta.head, cta.n_block
         gQ = cute.local_tile(mQ[batch, None, head, None], (m, d), (None, 0))
         gdO = cute.local_tile(mdO[batch, None, head, None], (m, d), (None, 0))
         gK = cute.local_tile(mK[batch, None, head_kv, None], (n, d), (n_block, 0))
@@ -287,8 +332,13 @@ class FlashAttnBwdSm80:
         gLSE = cute.local_tile(mLSElog2[batch, head, None], (m,), (None,))
         gdPsum = cute.local_tile(mdPsum[batch, head, None], (m,), (None,))
         gdQaccum = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (None,))
+        return SimpleNamespace(gQ=gQ, gdO=gdO, gK=gK, gV=gV, gLSE=gLSE, gdPsum=gdPsum, gdQaccum=gdQaccum)
 
-        # ---------------------------------------------------------------- shared memory
+    @cute.jit
+    def smem_tiles(self, SharedStorage: cutlass.Constexpr, sQ_layout, sdO_layout, sKV_layout, sPdS_layout):
+        """The shared-memory tiles (Q and dO with their row statistics in num_stages buffers) and
+        the transposed views the dK, dV and dQ GEMMs read them through."""
+        m = self.m_block_size
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
@@ -300,8 +350,16 @@ class FlashAttnBwdSm80:
         sLSE = storage.sLSE.get_tensor(cute.make_layout((m, self.num_stages_Q)))
         sdPsum = storage.sdPsum.get_tensor(cute.make_layout((m, self.num_stages_dO)))
         sQt, sdOt, sKt, sPt, sdSt = [transpose_view(t) for t in (sQ, sdO, sK, sP, sdS)]
+        return SimpleNamespace(sQ=sQ, sdO=sdO, sK=sK, sV=sV, sP=sP, sdS=sdS, sLSE=sLSE, sdPsum=sdPsum,
+                               sQt=sQt, sdOt=sdOt, sKt=sKt, sPt=sPt, sdSt=sdSt)
 
-        # ---------------------------------------------------------------- gmem -> smem copies
+    @cute.jit
+    def load_partitions(self, gmem_tiled_copy: cute.TiledCopy, g, s, tidx: Int32):
+        """This thread's share of the gmem -> smem copies (cp.async), with the (row, col) of each
+        piece for the bounds checks."""
+        m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
+        gQ, gdO, gK, gV = g.gQ, g.gdO, g.gK, g.gV
+        sQ, sdO, sK, sV = s.sQ, s.sdO, s.sK, s.sV
         gmem_thr_copy = gmem_tiled_copy.get_slice(tidx)
         tQgQ = gmem_thr_copy.partition_S(gQ)
         tQsQ = gmem_thr_copy.partition_D(sQ)
@@ -314,8 +372,20 @@ class FlashAttnBwdSm80:
         tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor((m, d)))
         tKcK = gmem_thr_copy.partition_S(cute.make_identity_tensor((n, d)))
         copy_atom_stat = cute.make_copy_atom(cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
+        return SimpleNamespace(
+            gmem_tiled_copy=gmem_tiled_copy, copy_atom_stat=copy_atom_stat, tQgQ=tQgQ, tQsQ=tQsQ, tQcQ=tQcQ,
+            tdOgdO=tdOgdO, tdOsdO=tdOsdO, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV, tKcK=tKcK,
+            gLSE=g.gLSE, sLSE=s.sLSE, gdPsum=g.gdPsum, sdPsum=s.sdPsum,
+        )
 
-        # ---------------------------------------------------------------- mma partitions
+    @cute.jit
+    def mma_partitions(self, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
+                       tiled_mma_dq: cute.TiledMma, s, tidx: Int32):
+        """This thread's MMA fragments and smem partitions of the five GEMMs, the copies of P and
+        dS back to smem, and the accumulator shapes."""
+        m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
+        sQ, sdO, sK, sV, sP, sdS = s.sQ, s.sdO, s.sK, s.sV, s.sP, s.sdS
+        sQt, sdOt, sKt, sPt, sdSt = s.sQt, s.sdOt, s.sKt, s.sPt, s.sdSt
         thr_mma_sdp = tiled_mma_sdp.get_slice(tidx)
         thr_mma_dkv = tiled_mma_dkv.get_slice(tidx)
         thr_mma_dq = tiled_mma_dq.get_slice(tidx)
@@ -331,11 +401,6 @@ class FlashAttnBwdSm80:
         dq_cols = d // self.dq_chunks
         sKt_chunks = cute.local_tile(sKt, (dq_cols, n), (None, 0))
         tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt_chunks[None, None, 0]))
-
-        acc_dK = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((n, d)), Float32)
-        acc_dV = cute.make_rmem_tensor(thr_mma_dkv.partition_shape_C((n, d)), Float32)
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
 
         # smem -> register copies: ldmatrix, transposed where the operand's k is not contiguous.
         ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
@@ -366,107 +431,128 @@ class FlashAttnBwdSm80:
 
         # (row, col) of every accumulator element of S/dP, and the rows this thread owns.
         tScS_mn = reshape_acc_to_mn(thr_mma_sdp.partition_C(cute.make_identity_tensor((m, n))))
-        acc_shape_SdP = thr_mma_sdp.partition_shape_C((m, n))
-        acc_shape_dQ = thr_mma_dq.partition_shape_C((m, dq_cols))
+        return SimpleNamespace(
+            tiled_mma_sdp=tiled_mma_sdp, tiled_mma_dkv=tiled_mma_dkv, tiled_mma_dq=tiled_mma_dq,
+            thr_mma_sdp=thr_mma_sdp, tScS_mn=tScS_mn, sLSE=s.sLSE, sdPsum=s.sdPsum,
+            acc_shape_SdP=thr_mma_sdp.partition_shape_C((m, n)), acc_shape_dKV=thr_mma_dkv.partition_shape_C((n, d)),
+            acc_shape_dQ=thr_mma_dq.partition_shape_C((m, dq_cols)),
+            tSrQ=tSrQ, tSrK=tSrK, tSsQ=tSsQ, tSsK=tSsK, s2r_sdp_A=s2r_sdp_A, s2r_sdp_B=s2r_sdp_B,
+            tdPrdO=tdPrdO, tdPrV=tdPrV, tdPsdO=tdPsdO, tdPsV=tdPsV, r2s_PdS=r2s_PdS, tPsP=tPsP, tdSsdS=tdSsdS,
+            tdVrPt=tdVrPt, tdVrdOt=tdVrdOt, tdVsPt=tdVsPt, tdVsdOt=tdVsdOt,
+            tdKrdSt=tdKrdSt, tdKrQt=tdKrQt, tdKsdSt=tdKsdSt, tdKsQt=tdKsQt, s2r_dkv_A=s2r_dkv_A, s2r_dkv_B=s2r_dkv_B,
+            tdQrdS=tdQrdS, tdQrKt=tdQrKt, tdQsdS=tdQsdS, tdQsKt=tdQsKt, s2r_dq_A=s2r_dq_A, s2r_dq_B=s2r_dq_B,
+        )
 
-        if m_block_min < m_block_max:
-            # ------------------------------------------------------------ prologue: K_j, V_j, Q/dO of the first block
-            self.load_tile(gmem_tiled_copy, tKgK, tKsK, tKcK, seqlen_k - n_block * n)
-            self.load_tile(gmem_tiled_copy, tVgV, tVsV, tKcK, seqlen_k - n_block * n)
-            self.load_Q_LSE(gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE, m_block_min, 0, seqlen_q, tidx)
-            self.load_dO_dPsum(gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum, m_block_min, 0, seqlen_q, tidx)
-            cute.arch.cp_async_commit_group()
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def m_block_step(self, mma, ld, cta, acc_dK: cute.Tensor, acc_dV: cute.Tensor, m_block: Int32,
+                     stage_q: Int32, stage_do: Int32, scale_log2: Float32, gdQaccum: cute.Tensor,
+                     mdQsemaphore: cute.Tensor):
+        """Query block m_block against K_j, V_j (Algorithm 2, inner loop body), with Q and dO of
+        the next block loading into their free buffers meanwhile."""
+        seqlen_q, tidx = cta.seqlen_q, cta.tidx
+        # Everything for this m_block has landed, and every thread is done with the last one.
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.barrier()
+        has_next = m_block + 1 < cta.m_block_max
+        if cutlass.const_expr(self.num_stages_Q > 1):
+            if has_next:
+                self.load_Q_LSE(ld, m_block + 1, 1 - stage_q, seqlen_q, tidx)
+        if cutlass.const_expr(self.num_stages_dO > 1):
+            if has_next:
+                self.load_dO_dPsum(ld, m_block + 1, 1 - stage_do, seqlen_q, tidx)
+        cute.arch.cp_async_commit_group()
 
-            stage_q = Int32(0)
-            stage_do = Int32(0)
-            for m_block in cutlass.range(m_block_min, m_block_max, unroll=1):
-                # Everything for this m_block has landed, and every thread is done with the last one.
-                cute.arch.cp_async_wait_group(0)
-                cute.arch.barrier()
-                has_next = m_block + 1 < m_block_max
-                if cutlass.const_expr(self.num_stages_Q > 1):
-                    if has_next:
-                        self.load_Q_LSE(gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE,
-                                        m_block + 1, 1 - stage_q, seqlen_q, tidx)
-                if cutlass.const_expr(self.num_stages_dO > 1):
-                    if has_next:
-                        self.load_dO_dPsum(gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum,
-                                           m_block + 1, 1 - stage_do, seqlen_q, tidx)
-                cute.arch.cp_async_commit_group()
+        acc_S, rP = self.compute_P(mma, cta, m_block, stage_q, scale_log2)
+        self.compute_dS(mma, acc_S, rP, stage_do)
 
-                # S = Q_i K_j^T, then P = exp(S * scale - LSE) with masked entries at 0.
-                acc_S = cute.make_rmem_tensor(acc_shape_SdP, Float32)
-                acc_S.fill(0.0)
-                gemm_smem(tiled_mma_sdp, acc_S, tSrQ, tSrK, tSsQ[None, None, None, stage_q], tSsK, s2r_sdp_A, s2r_sdp_B)
-                if last_n_block_partial or m_block < m_block_max_mask:
-                    apply_mask(acc_S, thr_mma_sdp, m, n, m_block, n_block, seqlen_q, seqlen_k,
-                               mask_seqlen=True, mask_causal=self.causal, branchless=False)
-                acc_S_mn = reshape_acc_to_mn(acc_S)
-                for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
-                    lse_log2 = sLSE[tScS_mn[r, 0][0], stage_q]
-                    acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2, fastmath=True))
-                # P goes to smem before the dP GEMM. dS = P * (dP - D) is computed in fp32 and
-                # rounded once: from the fp32 P kept in registers across the dP GEMM where they
-                # fit (p_in_registers), else from the 16-bit P read back (fp32 P there made d128
-                # spill at 255 registers). (Rounding dP - D to 16 bits first and multiplying in
-                # packed 16-bit pairs put dq past twice torch's error on some bf16 d256 inputs.)
-                rP = cute.make_fragment_like(acc_S, self.dtype)
-                rP.store(acc_S.load().to(self.dtype))
-                cute.copy(r2s_PdS, r2s_PdS.retile(rP), tPsP)
+        # dV_j += P^T dO_i
+        gemm_smem(mma.tiled_mma_dkv, acc_dV, mma.tdVrPt, mma.tdVrdOt, mma.tdVsPt,
+                  mma.tdVsdOt[None, None, None, stage_do], mma.s2r_dkv_A, mma.s2r_dkv_B)
+        if cutlass.const_expr(self.num_stages_dO == 1):
+            # dO's only buffer is free once every warp has finished dV.
+            self.refill_single_buffer(self.load_dO_dPsum, ld, m_block, has_next, seqlen_q, tidx)
 
-                # dP = dO_i V_j^T, then dS.
-                acc_dP = cute.make_rmem_tensor(acc_shape_SdP, Float32)
-                acc_dP.fill(0.0)
-                gemm_smem(tiled_mma_sdp, acc_dP, tdPrdO, tdPrV, tdPsdO[None, None, None, stage_do], tdPsV, s2r_sdp_A, s2r_sdp_B)
-                acc_dP_mn = reshape_acc_to_mn(acc_dP)
-                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                    acc_dP_mn[r, None].store(acc_dP_mn[r, None].load() - sdPsum[tScS_mn[r, 0][0], stage_do])
-                if cutlass.const_expr(self.p_in_registers):
-                    acc_dP.store(acc_dP.load() * acc_S.load())
-                else:
-                    cute.copy(r2s_PdS, tPsP, r2s_PdS.retile(rP))  # this thread's own stores: no barrier
-                    acc_dP.store(acc_dP.load() * rP.load().to(Float32))
-                rdS = cute.make_fragment_like(acc_dP, self.dtype)
-                rdS.store(acc_dP.load().to(self.dtype))
-                cute.copy(r2s_PdS, r2s_PdS.retile(rdS), tdSsdS)
-                cute.arch.barrier()
+        # dQ_i += dS K_j, accumulated in fp32 global memory.
+        for chunk in cutlass.range_constexpr(self.dq_chunks):
+            acc_dQ = cute.make_rmem_tensor(mma.acc_shape_dQ, Float32)
+            acc_dQ.fill(0.0)
+            gemm_smem(mma.tiled_mma_dq, acc_dQ, mma.tdQrdS, mma.tdQrKt, mma.tdQsdS, mma.tdQsKt[None, None, None, chunk],
+                      mma.s2r_dq_A, mma.s2r_dq_B)
+            self.accumulate_dQ(acc_dQ, gdQaccum[None, m_block], chunk, mdQsemaphore,
+                               cta.batch, cta.head, m_block, cta.n_block, tidx)
 
-                # dV_j += P^T dO_i
-                gemm_smem(tiled_mma_dkv, acc_dV, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt[None, None, None, stage_do],
-                          s2r_dkv_A, s2r_dkv_B)
-                if cutlass.const_expr(self.num_stages_dO == 1):
-                    # dO's only buffer is free once every warp has finished dV.
-                    cute.arch.barrier()
-                    if has_next:
-                        self.load_dO_dPsum(gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum,
-                                           m_block + 1, 0, seqlen_q, tidx)
-                    cute.arch.cp_async_commit_group()
+        # dK_j += dS^T Q_i
+        gemm_smem(mma.tiled_mma_dkv, acc_dK, mma.tdKrdSt, mma.tdKrQt, mma.tdKsdSt,
+                  mma.tdKsQt[None, None, None, stage_q], mma.s2r_dkv_A, mma.s2r_dkv_B)
+        if cutlass.const_expr(self.num_stages_Q == 1):
+            # Q's only buffer is free once every warp has finished dK.
+            self.refill_single_buffer(self.load_Q_LSE, ld, m_block, has_next, seqlen_q, tidx)
 
-                # dQ_i += dS K_j, accumulated in fp32 global memory.
-                for chunk in cutlass.range_constexpr(self.dq_chunks):
-                    acc_dQ = cute.make_rmem_tensor(acc_shape_dQ, Float32)
-                    acc_dQ.fill(0.0)
-                    gemm_smem(tiled_mma_dq, acc_dQ, tdQrdS, tdQrKt, tdQsdS, tdQsKt[None, None, None, chunk],
-                              s2r_dq_A, s2r_dq_B)
-                    self.accumulate_dQ(acc_dQ, gdQaccum[None, m_block], chunk, mdQsemaphore,
-                                       batch, head, m_block, n_block, tidx)
+    @cute.jit
+    def refill_single_buffer(self, load, ld, m_block: Int32, has_next, seqlen_q: Int32, tidx: Int32):
+        """The next block's tile into the only buffer of Q or dO (`load`: load_Q_LSE or
+        load_dO_dPsum), which every warp has finished reading once the barrier passes."""
+        cute.arch.barrier()
+        if has_next:
+            load(ld, m_block + 1, 0, seqlen_q, tidx)
+        cute.arch.cp_async_commit_group()
 
-                # dK_j += dS^T Q_i
-                gemm_smem(tiled_mma_dkv, acc_dK, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt[None, None, None, stage_q],
-                          s2r_dkv_A, s2r_dkv_B)
-                if cutlass.const_expr(self.num_stages_Q == 1):
-                    cute.arch.barrier()
-                    if has_next:
-                        self.load_Q_LSE(gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE,
-                                        m_block + 1, 0, seqlen_q, tidx)
-                    cute.arch.cp_async_commit_group()
+    @cute.jit
+    def compute_P(self, mma, cta, m_block: Int32, stage_q: Int32, scale_log2: Float32):
+        """S = Q_i K_j^T, then P = exp(S * scale - LSE) with masked entries at 0; P also goes to
+        smem (16-bit) for the dV GEMM. Returns the fp32 P and its 16-bit copy."""
+        m, n = self.m_block_size, self.n_block_size
+        acc_S = cute.make_rmem_tensor(mma.acc_shape_SdP, Float32)
+        acc_S.fill(0.0)
+        gemm_smem(mma.tiled_mma_sdp, acc_S, mma.tSrQ, mma.tSrK, mma.tSsQ[None, None, None, stage_q], mma.tSsK,
+                  mma.s2r_sdp_A, mma.s2r_sdp_B)
+        if cta.last_n_block_partial or m_block < cta.m_block_max_mask:
+            apply_mask(acc_S, mma.thr_mma_sdp, m, n, m_block, cta.n_block, cta.seqlen_q, cta.seqlen_k,
+                       mask_seqlen=True, mask_causal=self.causal, branchless=False)
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
+            lse_log2 = mma.sLSE[mma.tScS_mn[r, 0][0], stage_q]
+            acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2, fastmath=True))
+        # P goes to smem before the dP GEMM. dS = P * (dP - D) is computed in fp32 and
+        # rounded once: from the fp32 P kept in registers across the dP GEMM where they
+        # fit (p_in_registers), else from the 16-bit P read back (fp32 P there made d128
+        # spill at 255 registers). (Rounding dP - D to 16 bits first and multiplying in
+        # packed 16-bit pairs put dq past twice torch's error on some bf16 d256 inputs.)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(rP), mma.tPsP)
+        return acc_S, rP
 
-                if cutlass.const_expr(self.num_stages_Q > 1):
-                    stage_q = 1 - stage_q
-                if cutlass.const_expr(self.num_stages_dO > 1):
-                    stage_do = 1 - stage_do
+    @cute.jit
+    def compute_dS(self, mma, acc_S: cute.Tensor, rP: cute.Tensor, stage_do: Int32):
+        """dP = dO_i V_j^T, then dS = P * (dP - D_i) into smem (16-bit) for the dK and dQ GEMMs,
+        which may read it once this returns."""
+        acc_dP = cute.make_rmem_tensor(mma.acc_shape_SdP, Float32)
+        acc_dP.fill(0.0)
+        gemm_smem(mma.tiled_mma_sdp, acc_dP, mma.tdPrdO, mma.tdPrV, mma.tdPsdO[None, None, None, stage_do], mma.tdPsV,
+                  mma.s2r_sdp_A, mma.s2r_sdp_B)
+        acc_dP_mn = reshape_acc_to_mn(acc_dP)
+        for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+            acc_dP_mn[r, None].store(acc_dP_mn[r, None].load() - mma.sdPsum[mma.tScS_mn[r, 0][0], stage_do])
+        if cutlass.const_expr(self.p_in_registers):
+            acc_dP.store(acc_dP.load() * acc_S.load())
+        else:
+            cute.copy(mma.r2s_PdS, mma.tPsP, mma.r2s_PdS.retile(rP))  # this thread's own stores: no barrier
+            acc_dP.store(acc_dP.load() * rP.load().to(Float32))
+        rdS = cute.make_fragment_like(acc_dP, self.dtype)
+        rdS.store(acc_dP.load().to(self.dtype))
+        cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(rdS), mma.tdSsdS)
+        cute.arch.barrier()
 
-        # ---------------------------------------------------------------- epilogue: dK_j, dV_j
+    @cute.jit
+    def store_dK_dV(self, acc_dK: cute.Tensor, acc_dV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                    sK: cute.Tensor, sV: cute.Tensor, tiled_mma_dkv: cute.TiledMma, gmem_store: cute.TiledCopy,
+                    softmax_scale: Float32, cta):
+        """Epilogue: dK_j (scaled by softmax_scale, as dS is the gradient w.r.t. the scaled scores)
+        and dV_j to global memory, rows past seqlen_k and the head-dim padding left out."""
+        n, d = self.n_block_size, self.head_dim_padded
+        batch, head, n_block, seqlen_k, tidx = cta.batch, cta.head, cta.n_block, cta.seqlen_k, cta.tidx
         acc_dK.store(acc_dK.load() * softmax_scale)
         if cutlass.const_expr(mdK.element_type == self.dtype):
             # K and V are no longer read: their smem stages dK and dV for 16-byte stores.
@@ -494,23 +580,23 @@ class FlashAttnBwdSm80:
                     tXsX[None, r, c].fill(0)
 
     @cute.jit
-    def load_Q_LSE(self, gmem_tiled_copy, copy_atom_stat, tQgQ, tQsQ, tQcQ, gLSE, sLSE,
-                   m_block: Int32, stage: Int32, seqlen_q: Int32, tidx: Int32):
-        self.load_tile(gmem_tiled_copy, tQgQ[None, None, None, m_block], tQsQ[None, None, None, stage], tQcQ,
-                       seqlen_q - m_block * self.m_block_size)
+    def load_Q_LSE(self, ld, m_block: Int32, stage: Int32, seqlen_q: Int32, tidx: Int32):
+        """Q_i and its log-sum-exp into buffer `stage` (`ld`: load_partitions)."""
+        self.load_tile(ld.gmem_tiled_copy, ld.tQgQ[None, None, None, m_block], ld.tQsQ[None, None, None, stage],
+                       ld.tQcQ, seqlen_q - m_block * self.m_block_size)
         # The row statistics are padded to a multiple of every m_block size by the preprocess.
         if tidx < self.m_block_size:
-            cute.copy(copy_atom_stat, cute.local_tile(gLSE[None, m_block], (1,), (tidx,)),
-                      cute.local_tile(sLSE[None, stage], (1,), (tidx,)))
+            cute.copy(ld.copy_atom_stat, cute.local_tile(ld.gLSE[None, m_block], (1,), (tidx,)),
+                      cute.local_tile(ld.sLSE[None, stage], (1,), (tidx,)))
 
     @cute.jit
-    def load_dO_dPsum(self, gmem_tiled_copy, copy_atom_stat, tdOgdO, tdOsdO, tQcQ, gdPsum, sdPsum,
-                      m_block: Int32, stage: Int32, seqlen_q: Int32, tidx: Int32):
-        self.load_tile(gmem_tiled_copy, tdOgdO[None, None, None, m_block], tdOsdO[None, None, None, stage], tQcQ,
-                       seqlen_q - m_block * self.m_block_size)
+    def load_dO_dPsum(self, ld, m_block: Int32, stage: Int32, seqlen_q: Int32, tidx: Int32):
+        """dO_i and D_i = rowsum(dO_i * O_i) into buffer `stage` (`ld`: load_partitions)."""
+        self.load_tile(ld.gmem_tiled_copy, ld.tdOgdO[None, None, None, m_block], ld.tdOsdO[None, None, None, stage],
+                       ld.tQcQ, seqlen_q - m_block * self.m_block_size)
         if tidx < self.m_block_size:
-            cute.copy(copy_atom_stat, cute.local_tile(gdPsum[None, m_block], (1,), (tidx,)),
-                      cute.local_tile(sdPsum[None, stage], (1,), (tidx,)))
+            cute.copy(ld.copy_atom_stat, cute.local_tile(ld.gdPsum[None, m_block], (1,), (tidx,)),
+                      cute.local_tile(ld.sdPsum[None, stage], (1,), (tidx,)))
 
     @cute.jit
     def accumulate_dQ(self, acc_dQ: cute.Tensor, gdQaccum_tile: cute.Tensor, chunk: cutlass.Constexpr[int],
