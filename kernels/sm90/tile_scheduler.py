@@ -132,8 +132,8 @@ def tail_split_plan(num_tiles: int, num_n_blocks: int, num_sms: int, work_tiles:
     would leave idle. (0, 1) when the round is full, or too full for two pieces per tile, or
     when pieces would be shorter than MIN_PIECE_BLOCKS K/V blocks. Measured (perf/NOTES.md):
     pieces over two rounds lost 7-13% (per-piece prologue and merge, and an H100 that clocks
-    up while SMs idle), so they all fit one; planned where no one-round split exists (session
-    14), they lost 3-7% at d128 1k / 2k and tied at d64 8k / 16k.
+    up while SMs idle), so they all fit one; planned where no one-round split exists (an
+    earlier variant, perf/NOTES.md), they lost 3-7% at d128 1k / 2k and tied at d64 8k / 16k.
     When the tiles leave no split, the plan is taken again on their work (`work_tiles`,
     tail_work): partial tiles run ahead of the walk, and what is left after the last full
     round of work is what idles. d128 at 4k keys (1408 tiles, 1366 of work): (46, 2), +3%
