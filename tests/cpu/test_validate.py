@@ -129,3 +129,15 @@ def test_backward_validates_gradient_shapes():
     expect(ErrorCode.DIMENSION_MISMATCH, ValueError, cute_flash.backward, q[:, :8], q, k, v, q, lse)
     expect(ErrorCode.DIMENSION_MISMATCH, ValueError, cute_flash.backward, q, q, k, v, q, lse, dk=torch.empty_like(k)[:1])
     expect(ErrorCode.CUDA_ERROR, RuntimeError, cute_flash.backward, q, q, k, v, q, lse)
+
+
+def test_zero_softmax_scale_reaches_the_kernels_as_zero_scores_at_scale_one():
+    """softmax_scale = 0: the kernels (which mask with -inf before scaling, and -inf * 0 is NaN)
+    get q = 0 at scale 1, the same uniform probabilities; any other scale passes q through."""
+    from cute_flash import api
+
+    q = torch.randn(2, 5, 3, 64, dtype=torch.bfloat16).transpose(1, 2)  # strided: a fresh tensor anyway
+    q_k, scale_k = api._uniform_scores(q, 0.0)
+    assert scale_k == 1.0 and q_k.shape == q.shape and q_k.dtype == q.dtype and not q_k.any()
+    q_k, scale_k = api._uniform_scores(q.contiguous(), 0.125)
+    assert scale_k == 0.125 and torch.equal(q_k, q.contiguous())
