@@ -105,12 +105,13 @@ def fake_forward_args(cdtype, head_dim: int, takes_split_workspace: bool) -> tup
 
 
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                 length: str = "long", num_sms: int | None = None) -> Plan:
+                 length: str = "long", num_sms: int | None = None, family: str | None = None) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `length`
-    (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's)."""
+    (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's).
+    `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80"."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
-    if kernel_family(capability) == "sm90":
+    if (family or kernel_family(capability)) == "sm90":
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
 
@@ -143,13 +144,24 @@ class BackwardPlan:
         return self.main.settings()["m_block_size"]
 
 
+def _backward_main_args(cdtype, head_dim: int, dkv_dtype, stat_align: int = 4) -> tuple:
+    """The compile-time arguments of a backward main kernel's `__call__` (both families share them:
+    q, k, v, dout, LSE·log2(e), D, dQ's fp32 sums, dk, dv, dQ semaphores, scale, stream)."""
+    return (
+        fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
+        fake_bshd(cdtype, head_dim), fake_rowstat(align=stat_align), fake_rowstat(align=stat_align),
+        fake_dq_accum(), fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
+        cutlass.Float32(1.0), fake_stream(),
+    )
+
+
 def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                  deterministic: bool = False, gqa: bool = False) -> BackwardPlan:
+                  deterministic: bool = False, gqa: bool = False, family: str | None = None) -> BackwardPlan:
     """The backward kernels for this GPU: on sm_90 the Hopper backward where its configuration
     covers the head dim (it sums GQA groups itself), else the sm80 family's (compiled for the GPU's
     own target, whose register allocation the tiles depend on), whose main kernel writes
     per-query-head fp32 dK / dV under GQA that the launcher sums per group. Both share the sm80
-    preprocess."""
+    preprocess. `family` as for plan_forward."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
     from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
@@ -161,19 +173,15 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                 fake_rowstat(), fake_stream())
     post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
     pre = Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim), pre_args, arch)
-    if kernel_family(capability) == "sm90":
+    if (family or kernel_family(capability)) == "sm90":
         from .kernels.sm90.bwd import FlashAttnBwdSm90
         from .kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
         from .kernels.sm90.config import Sm90BwdPostConfig, backward_config
 
         config = backward_config(cdtype, head_dim, causal, deterministic)
         if config is not None:
-            main_args = (
-                fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
-                fake_bshd(cdtype, head_dim), fake_rowstat(align=16), fake_rowstat(align=16), fake_dq_accum(),
-                fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_semaphore(),
-                cutlass.Float32(1.0), fake_stream(),
-            )
+            # The row statistics are the launcher's padded buffers, which the Hopper kernel reads by TMA.
+            main_args = _backward_main_args(cdtype, head_dim, cdtype, stat_align=16)
             return BackwardPlan(
                 pre=pre, main=Plan(FlashAttnBwdSm90, config, main_args, arch),
                 post=Plan(FlashAttnBwdPostprocessSm90, Sm90BwdPostConfig(cdtype, head_dim, config.m_block_size),
@@ -182,12 +190,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
             )
     tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
-    main_args = (
-        fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
-        fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(), fake_dq_accum(),
-        fake_bshd(dkv_dtype, head_dim), fake_bshd(dkv_dtype, head_dim), fake_semaphore(),
-        cutlass.Float32(1.0), fake_stream(),
-    )
+    main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)
     return BackwardPlan(
         pre=pre,
         main=Plan(FlashAttnBwdSm80, Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles), main_args,

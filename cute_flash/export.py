@@ -33,7 +33,6 @@ checks run before any CUDA call.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shlex
@@ -110,20 +109,6 @@ class Export:
 # ----------------------------------------------------------------------------- plans
 
 
-@contextlib.contextmanager
-def _sm80_family():
-    """Plans of the sm80 kernel family whatever the target (device.kernel_family's override)."""
-    previous = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
-    os.environ["CUTE_FLASH_KERNEL_ARCH"] = "sm80"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["CUTE_FLASH_KERNEL_ARCH"]
-        else:
-            os.environ["CUTE_FLASH_KERNEL_ARCH"] = previous
-
-
 def plan_of(arch: str, role: str, dtype: str, head_dim: int, causal: bool, gqa: bool = False,
             deterministic: bool = False):
     """The dispatch plan of one kernel of the C library for `arch`."""
@@ -132,13 +117,14 @@ def plan_of(arch: str, role: str, dtype: str, head_dim: int, causal: bool, gqa: 
     from . import dispatch
     from .device import capability_of
 
-    with _sm80_family():
-        capability, torch_dtype = capability_of(arch), getattr(torch, dtype)
-        if role == "fwd":
-            return dispatch.plan_forward(capability, torch_dtype, head_dim, causal)
-        if role == "sum":
-            return dispatch.plan_group_sum(capability, torch_dtype, head_dim)
-        return getattr(dispatch.plan_backward(capability, torch_dtype, head_dim, causal, deterministic, gqa), role)
+    # The library holds the sm80 family's kernels on every target, sm_90a included.
+    capability, torch_dtype = capability_of(arch), getattr(torch, dtype)
+    if role == "fwd":
+        return dispatch.plan_forward(capability, torch_dtype, head_dim, causal, family="sm80")
+    if role == "sum":
+        return dispatch.plan_group_sum(capability, torch_dtype, head_dim)
+    return getattr(dispatch.plan_backward(capability, torch_dtype, head_dim, causal, deterministic, gqa,
+                                          family="sm80"), role)
 
 
 def backward_roles(gqa: bool) -> tuple[str, ...]:

@@ -257,6 +257,19 @@ static int launch(cf_kernel *kernel, void **args, int32_t count) {
 
 /* ------------------------------------------------------------------------------ passes */
 
+/* The views of Q, K, V, O and L, which both passes take, checked in that order. */
+static int attention_views(const problem *p, const cuflash_tensor *Q, const cuflash_tensor *K,
+                           const cuflash_tensor *V, const cuflash_tensor *O, const cuflash_tensor *L, cf_bshd *q,
+                           cf_bshd *k, cf_bshd *v, cf_bshd *o, cf_rows *l) {
+    int code = bshd_view("Q", Q, p->batch, p->heads, p->seq_q, q);
+    if (code == CUFLASH_SUCCESS) code = bshd_view("K", K, p->batch, p->kv_heads, p->seq_k, k);
+    if (code == CUFLASH_SUCCESS) code = bshd_view("V", V, p->batch, p->kv_heads, p->seq_k, v);
+    if (code == CUFLASH_SUCCESS) code = bshd_view("O", O, p->batch, p->heads, p->seq_q, o);
+    if (code == CUFLASH_SUCCESS) code = rows_view("L", L, p->batch, p->heads, p->seq_q, l);
+    return code;
+}
+
+
 int cuflash_attention_forward_ex(int dtype, const cuflash_tensor *Q, const cuflash_tensor *K, const cuflash_tensor *V,
                                  const cuflash_tensor *O, const cuflash_tensor *L, int batch, int heads, int kv_heads,
                                  int seq_len_q, int seq_len_k, int head_dim, float scale, int causal, void *stream) {
@@ -266,11 +279,7 @@ int cuflash_attention_forward_ex(int dtype, const cuflash_tensor *Q, const cufla
     if (code == CUFLASH_SUCCESS) code = check_problem(&p, scale, causal, 0, dtype);
     cf_bshd q, k, v, o;
     cf_rows l;
-    if (code == CUFLASH_SUCCESS) code = bshd_view("Q", Q, batch, heads, seq_len_q, &q);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("K", K, batch, kv_heads, seq_len_k, &k);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("V", V, batch, kv_heads, seq_len_k, &v);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("O", O, batch, heads, seq_len_q, &o);
-    if (code == CUFLASH_SUCCESS) code = rows_view("L", L, batch, heads, seq_len_q, &l);
+    if (code == CUFLASH_SUCCESS) code = attention_views(&p, Q, K, V, O, L, &q, &k, &v, &o, &l);
     if (code != CUFLASH_SUCCESS) return code;
     const cf_forward_variant *variant = forward_variant(dtype, head_dim, causal);
     if (variant == NULL) return not_exported("forward", dtype, head_dim, causal);
@@ -348,11 +357,7 @@ int cuflash_attention_backward_ex(int dtype, const cuflash_tensor *dO, const cuf
     cf_bshd d_o, q, k, v, o, dq, dk, dv;
     cf_rows l;
     if (code == CUFLASH_SUCCESS) code = bshd_view("dO", dO, batch, heads, seq_len_q, &d_o);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("Q", Q, batch, heads, seq_len_q, &q);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("K", K, batch, kv_heads, seq_len_k, &k);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("V", V, batch, kv_heads, seq_len_k, &v);
-    if (code == CUFLASH_SUCCESS) code = bshd_view("O", O, batch, heads, seq_len_q, &o);
-    if (code == CUFLASH_SUCCESS) code = rows_view("L", L, batch, heads, seq_len_q, &l);
+    if (code == CUFLASH_SUCCESS) code = attention_views(&p, Q, K, V, O, L, &q, &k, &v, &o, &l);
     if (code == CUFLASH_SUCCESS) code = bshd_view("dQ", dQ, batch, heads, seq_len_q, &dq);
     if (code == CUFLASH_SUCCESS) code = bshd_view("dK", dK, batch, kv_heads, seq_len_k, &dk);
     if (code == CUFLASH_SUCCESS) code = bshd_view("dV", dV, batch, kv_heads, seq_len_k, &dv);

@@ -287,13 +287,18 @@ class FlashAttnBwdSm90:
 
     @cute.jit
     def load_tile(self, atom, mX, sX, tile: cutlass.Constexpr, block, head, batch, stage, bar):
-        """TMA: block `block` (of `tile`-shaped tiles along the rows) of (head, batch) into stage
-        `stage` of sX, completing on mbarrier `bar`."""
+        """TMA: block `block` of (head, batch) into stage `stage` of sX, completing on mbarrier `bar`."""
+        tXsX, tXgX = self.tma_views(atom, mX, sX, tile, block, head, batch)
+        cute.copy(atom, tXgX, tXsX[None, stage], tma_bar_ptr=bar)
+
+    @staticmethod
+    def tma_views(atom, mX, sX, tile, block, head, batch):
+        """The TMA views (smem by stage, gmem) of block `block` of `tile`-shaped tiles along the
+        rows of (head, batch)."""
         rank = len(tile)
         gX = cute.local_tile(mX[(None,) * rank + (head, batch)], tile, (block,) + (0,) * (rank - 1))
-        tXsX, tXgX = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, rank),
-                                           cute.group_modes(gX, 0, rank))
-        cute.copy(atom, tXgX, tXsX[None, stage], tma_bar_ptr=bar)
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, rank),
+                                     cute.group_modes(gX, 0, rank))
 
     @cute.jit
     def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch):
@@ -453,11 +458,8 @@ class FlashAttnBwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
         if tidx < 32:
-            no_mcast = cute.make_layout(1)
             for atom, mX, sX in ((tma_atom_dV, mdV, s.sV), (tma_atom_dK, mdK, s.sK)):
-                gX = cute.local_tile(mX[None, None, head_kv, batch], (n, d), (n_block, 0))
-                tXsX, tXgX = cpasync.tma_partition(atom, 0, no_mcast, cute.group_modes(sX, 0, 2),
-                                                   cute.group_modes(gX, 0, 2))
+                tXsX, tXgX = self.tma_views(atom, mX, sX, (n, d), n_block, head_kv, batch)
                 cute.copy(atom, tXsX[None, 0], tXgX)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -19,13 +19,9 @@ ARCH = "sm_90a"
 TORCH_DTYPES = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}
 
 
-@pytest.fixture(autouse=True)
-def hopper_family(monkeypatch):
-    monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
-
-
 def backward_plan(dtype, head_dim, causal, deterministic=False, gqa=False):
-    return dispatch.plan_backward(capability_of(ARCH), TORCH_DTYPES[dtype], head_dim, causal, deterministic, gqa)
+    return dispatch.plan_backward(capability_of(ARCH), TORCH_DTYPES[dtype], head_dim, causal, deterministic, gqa,
+                                  family="sm90")
 
 
 # Every (head dim, causal, deterministic) the Hopper backward serves, each dtype at least once.

@@ -14,6 +14,8 @@ import torch
 from cute_flash import cli, export
 from cute_flash.errors import ErrorCode
 
+from ..c_abi import Tensor, declare
+
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")
 
 NOT_EXPORTED = 8
@@ -24,26 +26,6 @@ def compile_c(*argv, cwd):
     result = subprocess.run(["cc", "-std=c11", "-Wall", "-Werror", *map(str, argv)], cwd=cwd, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr
-
-
-class Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("batch_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
-                ("seq_stride", ctypes.c_int64)]
-
-
-def declare(lib):
-    for name in ("cuflash_error_string", "cuflash_last_error_message", "cuflash_build_info"):
-        getattr(lib, name).restype = ctypes.c_char_p
-    dims = [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-    for dtype in ("f16", "bf16", "f32"):
-        getattr(lib, f"cuflash_attention_forward_{dtype}").argtypes = [ctypes.c_void_p] * 5 + dims
-        getattr(lib, f"cuflash_attention_backward_{dtype}").argtypes = [ctypes.c_void_p] * 9 + dims
-    ex_dims = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-    lib.cuflash_attention_forward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 5 + ex_dims
-    # ... causal, deterministic, stream
-    lib.cuflash_attention_backward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 9 + ex_dims[:-1] + [
-        ctypes.c_int, ctypes.c_void_p]
-    return lib
 
 
 def message(lib) -> str:

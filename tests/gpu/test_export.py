@@ -16,6 +16,7 @@ import torch
 
 from cute_flash import device, export
 
+from ..c_abi import Tensor, declare
 from .common import assert_backward_accurate, assert_forward_accurate, randn
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")]
@@ -35,25 +36,9 @@ def exported(tmp_path_factory) -> Path:
     return out
 
 
-class Tensor(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("batch_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64),
-                ("seq_stride", ctypes.c_int64)]
-
-
 @pytest.fixture(scope="module")
 def lib(exported):
-    lib = ctypes.CDLL(str(exported / export.LIBRARY))
-    lib.cuflash_last_error_message.restype = ctypes.c_char_p
-    sizes = [ctypes.c_int] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-    for dtype in ("f16", "bf16", "f32"):
-        getattr(lib, f"cuflash_attention_forward_{dtype}").argtypes = [ctypes.c_void_p] * 5 + sizes
-        getattr(lib, f"cuflash_attention_backward_{dtype}").argtypes = [ctypes.c_void_p] * 9 + sizes
-    ex_sizes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_void_p]
-    lib.cuflash_attention_forward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 5 + ex_sizes
-    # ..., causal, deterministic, stream
-    lib.cuflash_attention_backward_ex.argtypes = [ctypes.c_int] + [ctypes.POINTER(Tensor)] * 9 + ex_sizes[:-1] + [
-        ctypes.c_int, ctypes.c_void_p]
-    return lib
+    return declare(ctypes.CDLL(str(exported / export.LIBRARY)))
 
 
 def ok(lib, code):
