@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a GPU machine: Nsight Compute reports for a list of cases, one `python -m perf.profile` each.
-# Each argument is one case: "<name>:<perf.profile arguments>", e.g.
+# On a GPU machine: Nsight Compute reports for a list of cases, one `python -m perf.profile_call` each.
+# Each argument is one case: "<name>:<perf.profile_call arguments>", e.g.
 #   scripts/ncu-profile.sh "bwd128:--method ours --pass bwd --headdim 128"
 # Writes <name>.ncu-rep, <name>.log and a text summary <name>.txt (every kernel's speed-of-light,
 # occupancy, launch, warp-state and memory sections) into $OUT/ncu.tgz (one file: the device
@@ -19,7 +19,7 @@ for case in "$@"; do
   args=${case#*:}
   # shellcheck disable=SC2086
   ncu --clock-control "$CLOCK" --profile-from-start off --set "$SET" --import-source no \
-      -f -o "$OUT/ncu/$name" python3 -m perf.profile $args > "$OUT/ncu/$name.log" 2>&1 \
+      -f -o "$OUT/ncu/$name" python3 -m perf.profile_call $args > "$OUT/ncu/$name.log" 2>&1 \
     || { echo "$name: ncu failed"; tail -5 "$OUT/ncu/$name.log"; continue; }
   ncu --import "$OUT/ncu/$name.ncu-rep" --page details \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \

@@ -11,10 +11,10 @@ single-GPU run with CUTE_FLASH_REQUIRE_GPU=1 does not count them as skips. Witho
 non-zero when one fails.
 
 The bar, on a sample of rows (query rows for out, lse and dq; key rows for dk and dv), as the
-GPU tests measured before the flash-numerics yardstick: the ring may differ from our single-GPU
-kernels, and from the float64 reference, by at most twice the error torch makes in the inputs'
-dtype (QK^T rounded to 16 bits, float32 softmax, P rounded for P·V) against float64. Its LSE is
-held to the yardstick's LSE bound. The ring adds roundings of its own: each step's output and
+GPU tests measured before the flash-numerics yardstick: the ring may differ from the float64
+reference by at most twice the error torch makes in the inputs' dtype (QK^T rounded to 16 bits,
+float32 softmax, P rounded for P·V) against float64; its distance to our single-GPU kernels is
+recorded beside it. Its LSE is held to the yardstick's LSE bound. The ring adds roundings of its own: each step's output and
 gradients leave the kernel in the inputs' dtype before the float32 merge.
 """
 
@@ -125,7 +125,10 @@ def sample_rows(seqlen: int, chunk: int, generator: torch.Generator, device) -> 
 
 
 def verdicts(ring, ours, exact, same_dtype) -> dict:
-    """name -> {errors, bound, passed} for out, dq, dk, dv (sampled rows) and lse."""
+    """name -> {errors, bound, passed} for out, dq, dk, dv (sampled rows) and lse. The ring is held
+    to float64 by the bar; its distance to our single-GPU result is recorded beside it, not held to
+    the same bound: two results that each meet the bar may differ by up to twice it (on 2 H100s,
+    2026-11-27, bf16 causal dV: 0.031 apart, each within 0.030 of float64, where torch errs by 0.015)."""
     result = {}
     floors = {"out": FORWARD_FLOOR, "dq": BACKWARD_FLOOR, "dk": BACKWARD_FLOOR, "dv": BACKWARD_FLOOR}
     for name, floor in floors.items():
@@ -134,7 +137,7 @@ def verdicts(ring, ours, exact, same_dtype) -> dict:
         vs_exact = (ring[name].double() - exact[name]).abs().max().item()
         bound = 2 * torch_err + floor
         result[name] = {"vs_ours": vs_ours, "vs_float64": vs_exact, "torch_same_dtype": torch_err, "bound": bound,
-                        "passed": vs_ours <= bound and vs_exact <= bound}
+                        "passed": vs_exact <= bound}
     lse_err = ((ring["lse"].double() - exact["lse"]).abs() / (1 + exact["lse"].abs())).max().item()
     result["lse"] = {"relative": lse_err, "bound": LSE_TOLERANCE, "passed": lse_err <= LSE_TOLERANCE}
     return result
@@ -164,6 +167,13 @@ def _torch_context_parallel(q, k, v, dout, causal, mesh, seqlen):
 
     calls = {"forward": 0, "backward": 0}
     real = api.forward, api.backward
+    real_support_issue = sdpa._support_issue
+
+    def support_issue(*args):  # a call of the flash op that cute-flash hands back to torch's kernel
+        issue = real_support_issue(*args)
+        if issue is not None:
+            calls[f"handed back: {issue}"] = calls.get(f"handed back: {issue}", 0) + 1
+        return issue
 
     def counted(name, fn):
         def call(*args, **kwargs):
@@ -176,12 +186,17 @@ def _torch_context_parallel(q, k, v, dout, causal, mesh, seqlen):
     positions = torch.zeros(1, 1, seqlen, device=q.device)
     leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]  # SDPA's (b, h, s, d)
     api.forward, api.backward = counted("forward", real[0]), counted("backward", real[1])
+    sdpa._support_issue = support_issue
+    # Flash alone: with the other backends enabled, the backend choice on DTensor inputs passed
+    # torch's flash op by (on torch 2.11, 2026-11-27: no cute-flash call in any ring step).
+    flash_only = torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.FLASH_ATTENTION])
     try:
-        with sdpa.enabled(), context_parallel(mesh, buffers=[positions], buffer_seq_dims=[2]):
+        with sdpa.enabled(), flash_only, context_parallel(mesh, buffers=[positions], buffer_seq_dims=[2]):
             out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
             grads = torch.autograd.grad(out, leaves, dout.transpose(1, 2))
     finally:
         api.forward, api.backward = real
+        sdpa._support_issue = real_support_issue
     return out.transpose(1, 2), tuple(g.transpose(1, 2) for g in grads), calls
 
 

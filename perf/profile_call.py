@@ -1,7 +1,7 @@
 """One pass of one method on one shape, inside the CUDA profiler range, for Nsight Compute.
 
     ncu --clock-control none --profile-from-start off --set full -o out \\
-        python -m perf.profile --method ours --pass bwd --headdim 128 --seqlen 8192
+        python -m perf.profile_call --method ours --pass bwd --headdim 128 --seqlen 8192
 
 The pass runs `--warmup` times first (compiles, autotunes, fills caches), then once between
 cudaProfilerStart/Stop, so the report holds exactly the kernels of that one call. The shape
@@ -20,7 +20,7 @@ from .suites import Cell
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m perf.profile", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m perf.profile_call", description=__doc__.split("\n")[0])
     p.add_argument("--method", choices=METHOD_NAMES, default="ours")
     p.add_argument("--pass", dest="pass_", choices=("fwd", "bwd", "fwdbwd"), default="fwd")
     p.add_argument("--headdim", type=int, default=128)
