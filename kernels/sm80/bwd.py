@@ -23,6 +23,9 @@ dK and dV live in registers for the whole walk and are written once at the end (
 softmax_scale because dS is the gradient w.r.t. the scaled scores). With grouped-query attention
 the host passes fp32 per-query-head dK/dV workspaces and sums the groups itself.
 
+fp32 inputs run every GEMM as split TF32 (kernels/common/tf32.py) with P and dS in fp32 in smem,
+on their own tiles (`_fp32_tiles`).
+
 Deterministic mode orders the dQ accumulation: the CTAs touching one query block add their dQ
 tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
 """

@@ -13,6 +13,10 @@ Data movement per key block n (num_stages K/V buffers in smem, cp.async groups):
     wait V[n]            -> issue K[n - num_stages]
     O += P V[n]           (P straight from registers as the A operand; ldmatrix.trans for V)
 Epilogue: O /= row_sum, stage O through smem (reusing sQ) for 16-byte stores, write LSE.
+
+fp32 inputs take the same loop with split TF32 products (kernels/common/tf32.py: three m16n8k8
+TF32 mma.sync per product, operands read through the MMA's partitions instead of ldmatrix, P kept
+in fp32 as the A operand of P V) and their own tiles (`_fp32_tiles`).
 """
 
 from __future__ import annotations
