@@ -16,6 +16,12 @@ KEY_INSTRUCTIONS = {
     "sm80": ("mma.sync", "ldmatrix", "cp.async"),
     "sm90": ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg"),
 }
+# fp32 (split TF32): TF32 MMAs fed by 32-bit loads, no ldmatrix
+FP32_KEY_INSTRUCTIONS = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32", "cp.async")
+
+
+def _key_instructions(family: str, dtype: str) -> tuple[str, ...]:
+    return FP32_KEY_INSTRUCTIONS if dtype == "float32" else KEY_INSTRUCTIONS[family]
 
 
 def _parse_list(text: str, kind=str):
@@ -46,14 +52,14 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
             plan = dispatch.plan_forward(capability, torch_dtype, head_dim, causal, length)
             label = (f"fwd/{plan.family}/{dtype}/d{head_dim}/{'causal' if causal else 'full'}"
                      f"{'' if length == 'long' else '/' + length}")
-            builds.setdefault(plan.key, (label, plan.key, plan.build, KEY_INSTRUCTIONS[plan.family]))
+            builds.setdefault(plan.key, (label, plan.key, plan.build, _key_instructions(plan.family, dtype)))
         return list(builds.values())
     backward = dispatch.plan_backward(capability, torch_dtype, head_dim, causal, gqa=gqa)
     builds = []
     for kind, plan in (("pre", backward.pre), ("main", backward.main), ("post", backward.post)):
         variant = f"/{'causal' if causal else 'full'}{'/gqa' if gqa else ''}" if kind == "main" else ""
         builds.append((f"bwd/{kind}/{plan.family}/{dtype}/d{head_dim}{variant}", plan.key, plan.build,
-                       KEY_INSTRUCTIONS[plan.family] if kind == "main" else ()))
+                       _key_instructions(plan.family, dtype) if kind == "main" else ()))
     return builds
 
 
@@ -79,9 +85,9 @@ class UsageError(Exception):
 
 # Every command takes any of these for an element type.
 DTYPE_SPELLINGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-                   "half": "float16"}
+                   "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
 # The names result files use.
-SHORT_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16"}
+SHORT_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 KERNEL_PASSES = ("fwd", "bwd")
 
 
@@ -90,8 +96,16 @@ def dtype_arg(text: str) -> str:
     spelling = text.strip().lower()
     if spelling in DTYPE_SPELLINGS:
         return DTYPE_SPELLINGS[spelling]
-    problem = "no kernel computes fp32 yet" if spelling in ("fp32", "float32", "float", "tf32") else f"{text!r} is not an element type"
-    raise argparse.ArgumentTypeError(f"{problem}: use bf16 (bfloat16) or fp16 (float16, half)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not an element type: use bf16 (bfloat16), fp16 (float16, half) "
+                                     "or fp32 (float32)")
+
+
+def export_dtype_arg(text: str) -> str:
+    """dtype_arg for the C library, which holds the 16-bit kernels only (an argparse type)."""
+    dtype = dtype_arg(text)
+    if dtype == "float32":
+        raise argparse.ArgumentTypeError("the C library holds no fp32 kernels: use bf16 (bfloat16) or fp16 (float16, half)")
+    return dtype
 
 
 def short_dtype_arg(text: str) -> str:
@@ -436,7 +450,7 @@ def _add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="build libcute_flash.so and cute_flash.h, a C ABI (docs/api.md)")
     p.add_argument("--arch", type=arch_arg, default=None,
                    help="compile target: sm_80 (A100 and other sm_8x), sm_90a (H100), ... (default: the visible GPU)")
-    p.add_argument("--dtypes", type=comma_list(dtype_arg), default="bf16,fp16",
+    p.add_argument("--dtypes", type=comma_list(export_dtype_arg), default="bf16,fp16",
                    help="comma list of bf16 (bfloat16), fp16 (float16, half); default: both")
     p.add_argument("--head-dims", type=comma_list(head_dim_arg), default="64,128",
                    help="comma list of multiples of 8 up to 256; default: 64,128")
@@ -472,7 +486,8 @@ def build_parser() -> ArgumentParser:
                        help="compile target: sm_80, sm_86, sm_89, sm_90a, ... (default: "
                             f"{'sm_80' if name == 'check' else 'the visible GPU'})")
         p.add_argument("--dtypes", type=comma_list(dtype_arg), default="bf16,fp16",
-                       help="comma list of bf16 (bfloat16), fp16 (float16, half); default: both")
+                       help="comma list of bf16 (bfloat16), fp16 (float16, half), fp32 (float32); "
+                            "default: bf16,fp16")
         p.add_argument("--head-dims", type=comma_list(head_dim_arg), default=None,
                        help="comma list of multiples of 8 up to 256; default: "
                             f"{'all of them' if name == 'check' else '32,64,96,128,192,256'}")
@@ -484,7 +499,7 @@ def build_parser() -> ArgumentParser:
             p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
     p = sub.add_parser("layouts", help="the layouts, atoms and copies a dispatched kernel builds (docs/layouts.md)")
     p.add_argument("--arch", type=arch_arg, default="sm_90a", help="compile target (default: sm_90a)")
-    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="bf16 (default) or fp16")
+    p.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--head-dim", type=head_dim_arg, default=128, help="a multiple of 8 up to 256 (default: 128)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--pass", dest="pass_name", type=pass_arg, default="fwd", help="fwd (default) or bwd")

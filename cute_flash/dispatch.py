@@ -27,7 +27,7 @@ from .tensors import (
     fake_bshd, fake_dq_accum, fake_rowstat, fake_semaphore, fake_stream, fake_tail_split_workspace,
 )
 
-CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16}
+CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
 
 
 def cutlass_dtype(dtype: torch.dtype):

@@ -251,15 +251,14 @@ def check_reference_inputs(q, k, v) -> None:
         raise CudaError(f"tensors are on different devices: q on {q.device}, k on {k.device}, v on {v.device}")
 
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-"""The dtypes some kernel computes (fp32 inputs pass the shape checks, then stop here)."""
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The dtypes some kernel computes (float32 by split TF32 on the sm80 kernels)."""
 
 
 def check_kernel_dtype(dtype: torch.dtype) -> None:
     if dtype not in KERNEL_DTYPES:
         raise UnsupportedDtypeError(
-            f"{dtype} inputs are accepted by the API but no kernel computes them yet; "
-            "cast q, k, v to torch.bfloat16 or torch.float16"
+            f"no kernel computes {dtype} inputs; use torch.float16, torch.bfloat16 or torch.float32"
         )
 
 

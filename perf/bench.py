@@ -22,7 +22,7 @@ from . import harness, results
 from .methods import METHOD_NAMES, OURS, discover_methods
 from .suites import PASSES, SUITES, Cell, attention_flops, get_suite
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Relative to the current directory (the repository's results archive when run from its root):
 # never inside the installed package.
 DEFAULT_OUT = Path("perf/results")
@@ -147,8 +147,28 @@ def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: floa
     return measured
 
 
+def method_errors(m, cell: Cell, sets: list[tuple], scale: float) -> dict:
+    """The method's max abs error vs the float64 reference on the first batch element of the
+    first input set: out for "fwd", the largest of dq, dk, dv for "bwd" (and "fwdbwd")."""
+    from cute_flash import reference_attention
+
+    q, k, v, dout = (None if t is None else t[:1].detach() for t in sets[0])
+    grad = dout is not None
+    exact = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
+    ref_out, _ = reference_attention(*exact, softmax_scale=scale, causal=cell.causal)
+    inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
+    out = m.fn(*inputs, cell.causal, scale)
+    errors = {"fwd": (out.double() - ref_out).abs().max().item()}
+    if grad:
+        ref_grads = torch.autograd.grad(ref_out, exact, dout.double())
+        grads = torch.autograd.grad(out, inputs, dout)
+        errors["bwd"] = errors["fwdbwd"] = max((g.double() - r).abs().max().item() for g, r in zip(grads, ref_grads))
+    return errors
+
+
 def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_bytes: int,
-                 progress: Progress, target_s: float, device: str = DEVICE, min_rounds: int = 10) -> list[dict]:
+                 progress: Progress, target_s: float, device: str = DEVICE, min_rounds: int = 10,
+                 accuracy: bool = False) -> list[dict]:
     dtype = DTYPES[dtype_name]
     scale = cell.headdim ** -0.5
     grad = any(p != "fwd" for p in cell.passes)
@@ -167,6 +187,14 @@ def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_byt
             progress.step(f"{suite} {cell.label()} {pass_}: {status}", len(methods))
         return rows
 
+    errors = {}
+    if accuracy:
+        for m in methods:
+            try:
+                errors[m.name] = method_errors(m, cell, sets, scale)
+            except Exception as exc:  # noqa: BLE001 - a method that fails here fails its timing too
+                errors[m.name] = {"status": harness.classify_error(exc)}
+            harness.release_memory()
     for pass_ in cell.passes:
         progress.step(f"{suite} {pass_} {cell.label()}", 0)
         if cell.kind == "memory":
@@ -179,6 +207,8 @@ def measure_cell(cell: Cell, suite: str, dtype_name: str, methods, clock, l2_byt
         for m in methods:
             row = {**base, "pass": pass_, "method": m.name, **measured[m.name]}
             row["status"] = no_autograd_means_unsupported(row["status"], pass_)
+            if pass_ in errors.get(m.name, {}):
+                row["max_error"] = errors[m.name][pass_]
             rows.append(row)
         progress.step(f"{suite} {pass_} {cell.label()} done", len(methods))
     del sets
@@ -285,6 +315,8 @@ def summary_table(rows: list[dict]) -> str:
                 cols.append(r["status"].split(":")[0])
             elif r["kind"] == "memory":
                 cols.append(f"{(r['peak_bytes'] or 0) / 2**20:.0f}MiB")
+            elif "max_error" in r:
+                cols.append(f"{r['tflops']:.0f}TF {r['max_error']:.0e}")
             else:
                 cols.append(f"{r['tflops']:.1f}TF")
         lines.append(f"{r0['suite']:6} {r0['pass']:6} {cell:34} " + " ".join(f"{c[:12]:>12}" for c in cols))
@@ -300,7 +332,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"suite name, or several joined by commas (one result file): {', '.join(SUITES)}")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="directory for the result file (default: %(default)s)")
     p.add_argument("--dtype", type=short_dtype_arg, default=None,
-                   help="bf16 (bfloat16) or fp16 (float16, half) (default: the suite's own: paper/quick bf16, seed fp16)")
+                   help="bf16 (bfloat16), fp16 (float16, half) or fp32 (default: the suite's own: paper/quick bf16, "
+                        "seed fp16, fp32 fp32)")
     p.add_argument("--methods", default=None,
                    help=f"comma-separated subset of: {', '.join(METHOD_NAMES)} (default: all)")
     p.add_argument("--target-s", type=float, default=0.5, help="seconds of timed calls per measurement (default: 0.5)")
@@ -370,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         if not m.available:
             print(f"cute-flash bench: skipping {m.name}: {m.note}", file=sys.stderr)
     usable = [m for m in methods if m.available]
+    # fp32 peers run in fp32: no TF32 inside torch's matmuls or convolutions.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     gpu = results.gpu_info()
     doc = {
         "schema": results.SCHEMA,
@@ -383,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "methods": {m.name: m.info() for m in methods},
         "suite_notes": notes,
         "filters": {k: getattr(args, k) for k in ("headdims", "seqlens", "passes", "causal") if getattr(args, k)},
+        "tf32": "off (torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False)",
         "timing": {"target_s": args.target_s, "min_rounds": args.min_rounds,
                    "clock": "cuda events per call, GPU held busy ahead of the host",
                    "statistic": "median, p10/p90, IQR over reps; first call excluded",
@@ -390,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
                             "(each method follows every other equally often); SM clock read mid-burst"},
     }
 
-    total = sum(len(c.passes) * len(usable) for s in runnable for c in s.cells)
+    def suite_methods(s):
+        return [m for m in usable if args.methods or s.methods is None or m.name in s.methods]
+
+    total = sum(len(c.passes) * len(suite_methods(s)) for s in runnable for c in s.cells)
     total += 0 if args.no_roofline else 1
     total += 1 if any(s.overhead for s in runnable) else 0
     progress = Progress(total)
@@ -418,8 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     save(False)
     for s in runnable:
         for cell in s.cells:
-            rows += measure_cell(cell, s.name, args.dtype or s.dtype, usable, clock, gpu["l2_bytes"],
-                                 progress, args.target_s, DEVICE, args.min_rounds)
+            rows += measure_cell(cell, s.name, args.dtype or s.dtype, suite_methods(s), clock, gpu["l2_bytes"],
+                                 progress, args.target_s, DEVICE, args.min_rounds, s.accuracy)
             save(False)
     progress.close()
     save(True)

@@ -67,6 +67,8 @@ class Suite:
     cells: list[Cell] = field(default_factory=list)
     overhead: bool = False  # measure per-call host overhead
     unavailable: str | None = None  # set for a registered suite that cannot run yet
+    methods: tuple[str, ...] | None = None  # the methods that take this dtype (default: all); --methods overrides
+    accuracy: bool = False  # also each method's max error vs float64 on the cell's first batch element
 
 
 def paper_suite() -> Suite:
@@ -111,12 +113,21 @@ def quick_suite() -> Suite:
     return Suite("quick", "about one minute of smoke: a few shapes, fwd and bwd", "bf16", cells, overhead=True)
 
 
+def fp32_suite() -> Suite:
+    """fp32 inputs (split TF32) against every torch path that takes fp32, TF32 off in torch."""
+    cells = [Cell(4, 4096, 4096, 16, 16, headdim, causal, ("fwd", "bwd"))
+             for headdim in (64, 128) for causal in (False, True)]
+    return Suite("fp32", "fp32 at B=4 S=4096 H=16, hdim 64/128: ours vs SDPA math / efficient and plain torch, "
+                 "with each one's max error vs float64", "fp32", cells,
+                 methods=("ours", "standard", "sdpa_math", "sdpa_efficient"), accuracy=True)
+
+
 def decode_suite() -> Suite:
     return Suite("decode", "single-token decode against a KV cache", "bf16",
                  unavailable="not available until the KV-cache API exists")
 
 
-SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "decode": decode_suite}
+SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "fp32": fp32_suite, "decode": decode_suite}
 
 
 def get_suite(name: str) -> Suite:

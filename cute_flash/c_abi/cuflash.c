@@ -114,7 +114,7 @@ static int check_problem(const problem *p, float scale, int causal, int determin
         return fail(CUFLASH_ERROR_INVALID_DIMENSION, "deterministic must be 0 or 1, got %d", deterministic);
     }
     if (dtype == CUFLASH_DTYPE_F32) {
-        return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "f32: no kernel computes float32 yet; use f16 or bf16 tensors");
+        return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "f32: the C library holds 16-bit kernels only (float32 runs through the Python package); use f16 or bf16 tensors");
     }
     if (dtype != CUFLASH_DTYPE_F16 && dtype != CUFLASH_DTYPE_BF16) return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "unknown dtype %d", dtype);
     return CUFLASH_SUCCESS;

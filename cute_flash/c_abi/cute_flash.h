@@ -32,7 +32,7 @@ enum {
                                                  driver) or a failed launch */
     CUFLASH_ERROR_OUT_OF_MEMORY = 5,          /* the backward's workspace could not be allocated */
     CUFLASH_ERROR_UNSUPPORTED_HEAD_DIM = 6,   /* head_dim not a multiple of 8 in [8, 256] */
-    CUFLASH_ERROR_UNSUPPORTED_DTYPE = 7,      /* f32 (no kernel computes it yet) or an unknown dtype */
+    CUFLASH_ERROR_UNSUPPORTED_DTYPE = 7,      /* f32 (16-bit kernels only here) or an unknown dtype */
     CUFLASH_ERROR_VARIANT_NOT_EXPORTED = 8    /* a supported problem whose kernel this library was not
                                                  built with (see cuflash_build_info) */
 };

@@ -6,6 +6,7 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
         A swizzled (rows, k_block) smem atom for a row-major tile whose rows hold `k_dim` 16-bit
         elements; k_block is 64 elements (128 B rows) when k_dim allows, else 32 (64 B rows).
         The swizzle makes both the 16 B cp.async writes and the ldmatrix reads bank-conflict free.
+        32-bit elements (fp32, split TF32) take (8, 32) atoms of 128 B rows.
 
     reshape_acc_to_mn(acc) -> cute.Tensor
         View an MMA accumulator fragment as (rows, cols) of this thread: the sm80 mma.sync layout
@@ -58,7 +59,16 @@ def gmem_tiled_copy(op, dtype: type[cutlass.Numeric], num_threads: int, row_elem
 
 
 def smem_layout_atom(dtype: type[cutlass.Numeric], k_dim: int) -> cute.ComposedLayout:
-    assert dtype.width == 16, "smem_layout_atom assumes 16-bit elements"
+    if dtype.width == 32:
+        assert k_dim % 32 == 0, f"k_dim {k_dim} must be a multiple of 32"
+        # 128 B rows of 32 elements; 16 B vectors (2 bits of 4 elements) XOR-ed with 3 row bits.
+        # Besides the 16 B cp.async writes, the scalar MMA-fragment reads of split TF32
+        # (kernels/common/tf32.py) are conflict-free: 8 rows x 2 neighbouring words (K-major) and
+        # 4 rows x 8 neighbouring words (MN-major) both land on 32 distinct banks.
+        return cute.make_composed_layout(
+            cute.make_swizzle(3, 2, 3), 0, cute.make_layout((8, 32), stride=(32, 1))
+        )
+    assert dtype.width == 16, "smem_layout_atom takes 16- or 32-bit elements"
     k_block = 64 if k_dim % 64 == 0 else 32
     assert k_dim % k_block == 0, f"k_dim {k_dim} must be a multiple of 32"
     # 16 B vectors (3 bits) are the unit; swizzle as many row bits as the row has 16 B chunks.

@@ -23,6 +23,9 @@ dK and dV live in registers for the whole walk and are written once at the end (
 softmax_scale because dS is the gradient w.r.t. the scaled scores). With grouped-query attention
 the host passes fp32 per-query-head dK/dV workspaces and sums the groups itself.
 
+fp32 inputs run every GEMM as split TF32 (kernels/common/tf32.py) with P and dS in fp32 in smem,
+on their own tiles (`_fp32_tiles`).
+
 Deterministic mode orders the dQ accumulation: the CTAs touching one query block add their dQ
 tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
 """
@@ -48,6 +51,7 @@ from cute_flash.kernels.common.layouts import (
 )
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.mask import apply_mask
+from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32, tiled_mma_tf32
 from cute_flash.kernels.sm80.config import Sm80BwdConfig
 
 SMEM_CAPACITY_SM80 = 163 * 1024
@@ -66,7 +70,11 @@ def smem_capacity(arch: str) -> int:
 
 @cute.jit
 def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
-    """acc += A @ B with both operands streamed from smem by ldmatrix, one k-slice ahead."""
+    """acc += A @ B with both operands streamed from smem by ldmatrix, one k-slice ahead; fp32
+    operands (s2r_A, s2r_B are MmaOperandReaders) by split TF32."""
+    if cutlass.const_expr(isinstance(s2r_A, MmaOperandReader)):
+        gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=tCsA)
+        return
     tCrA_view = s2r_A.retile(tCrA)
     tCrB_view = s2r_B.retile(tCrB)
     cute.copy(s2r_A, tCsA[None, None, 0], tCrA_view[None, None, 0])
@@ -85,6 +93,7 @@ class FlashAttnBwdSm80:
     def __init__(self, config: Sm80BwdConfig):
         self.cfg = config
         self.dtype = config.dtype
+        self.fp32 = config.dtype is cutlass.Float32  # split TF32 (kernels/common/tf32.py), no ldmatrix
         self.head_dim = config.head_dim
         self.head_dim_padded = round_up(config.head_dim, 32)
         self.causal = config.causal
@@ -112,6 +121,8 @@ class FlashAttnBwdSm80:
         dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
         `arch` is the compile target: ptxas allocates registers differently for sm_90a (the H100
         runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
+        if dtype is cutlass.Float32:
+            return FlashAttnBwdSm80._fp32_tiles(head_dim, arch)
         d = round_up(head_dim, 32)
         if d <= 64:
             tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
@@ -159,6 +170,25 @@ class FlashAttnBwdSm80:
         return tiles
 
     @staticmethod
+    def _fp32_tiles(head_dim: int, arch: str) -> dict:
+        """fp32 operands take twice the smem of 16-bit ones: 64 x 64 blocks up to d = 128 (160 KB
+        with one Q and one dO buffer there), 32 x 32 above (64 x 32 on the H100's 227 KB); warp
+        layouts whose sub-tiles are whole m16 x n8 TF32 atoms."""
+        d = round_up(head_dim, 32)
+        if d <= 128:
+            tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
+        elif targets_sm90(arch):
+            tiles = dict(m_block_size=64, n_block_size=32, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4)
+        else:
+            tiles = dict(m_block_size=32, n_block_size=32, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
+        tiles.update(p_in_registers=True, dq_chunks=1)
+        for stages_Q, stages_dO in ((2, 2), (2, 1), (1, 1)):
+            tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
+            if FlashAttnBwdSm80.smem_bytes(cutlass.Float32, head_dim, **tiles) <= smem_capacity(arch):
+                break
+        return tiles
+
+    @staticmethod
     def smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
         d = round_up(head_dim, 32)
         elems = (m_block_size * d * (num_stages_Q + num_stages_dO) + 2 * n_block_size * d
@@ -167,19 +197,20 @@ class FlashAttnBwdSm80:
 
     @staticmethod
     def can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", **tiles) -> bool:
-        if dtype not in (cutlass.Float16, cutlass.BFloat16) or head_dim % 8 != 0 or head_dim > 256:
+        if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32) or head_dim % 8 != 0 or head_dim > 256:
             return False
         t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
         d = round_up(head_dim, 32)
         warps = FlashAttnBwdSm80.num_threads // 32
+        n_unit = 8 if dtype is cutlass.Float32 else 16  # N extent of one warp's atom (tiled_mma_sm80)
         ok_tiles = (
             t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
-            and t["n_block_size"] % (16 * warps // t["atom_m_sdp"]) == 0
+            and t["n_block_size"] % (n_unit * warps // t["atom_m_sdp"]) == 0
             and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
-            and d % (16 * warps // t["atom_n_dkv"]) == 0
+            and d % (n_unit * warps // t["atom_n_dkv"]) == 0
             and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
             and d % t.get("dq_chunks", 1) == 0
-            and d // t.get("dq_chunks", 1) % (16 * warps // t["atom_m_dq"]) == 0
+            and d // t.get("dq_chunks", 1) % (n_unit * warps // t["atom_m_dq"]) == 0
         )
         return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
 
@@ -402,15 +433,20 @@ class FlashAttnBwdSm80:
         sKt_chunks = cute.local_tile(sKt, (dq_cols, n), (None, 0))
         tdQrKt = thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKt_chunks[None, None, 0]))
 
-        # smem -> register copies: ldmatrix, transposed where the operand's k is not contiguous.
-        ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        s2r_sdp_A = cute.make_tiled_copy_A(ldsm, tiled_mma_sdp).get_slice(tidx)
-        s2r_sdp_B = cute.make_tiled_copy_B(ldsm, tiled_mma_sdp).get_slice(tidx)
-        s2r_dkv_A = cute.make_tiled_copy_A(ldsm_t, tiled_mma_dkv).get_slice(tidx)
-        s2r_dkv_B = cute.make_tiled_copy_B(ldsm_t, tiled_mma_dkv).get_slice(tidx)
-        s2r_dq_A = cute.make_tiled_copy_A(ldsm, tiled_mma_dq).get_slice(tidx)
-        s2r_dq_B = cute.make_tiled_copy_B(ldsm_t, tiled_mma_dq).get_slice(tidx)
+        if cutlass.const_expr(self.fp32):
+            # split TF32 reads its operands itself, through the MMA's partitions (32-bit loads)
+            s2r_sdp_A, s2r_dkv_A, s2r_dq_A = (MmaOperandReader(t, "A") for t in (thr_mma_sdp, thr_mma_dkv, thr_mma_dq))
+            s2r_sdp_B, s2r_dkv_B, s2r_dq_B = (MmaOperandReader(t, "B") for t in (thr_mma_sdp, thr_mma_dkv, thr_mma_dq))
+        else:
+            # smem -> register copies: ldmatrix, transposed where the operand's k is not contiguous.
+            ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            ldsm_t = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+            s2r_sdp_A = cute.make_tiled_copy_A(ldsm, tiled_mma_sdp).get_slice(tidx)
+            s2r_sdp_B = cute.make_tiled_copy_B(ldsm, tiled_mma_sdp).get_slice(tidx)
+            s2r_dkv_A = cute.make_tiled_copy_A(ldsm_t, tiled_mma_dkv).get_slice(tidx)
+            s2r_dkv_B = cute.make_tiled_copy_B(ldsm_t, tiled_mma_dkv).get_slice(tidx)
+            s2r_dq_A = cute.make_tiled_copy_A(ldsm, tiled_mma_dq).get_slice(tidx)
+            s2r_dq_B = cute.make_tiled_copy_B(ldsm_t, tiled_mma_dq).get_slice(tidx)
         tSsQ = s2r_sdp_A.partition_S(sQ)
         tSsK = s2r_sdp_B.partition_S(sK)
         tdPsdO = s2r_sdp_A.partition_S(sdO)
@@ -626,8 +662,11 @@ class FlashAttnBwdSm80:
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
-    """m16n8k16 mma.sync over `num_threads // 32` warps, `atom_m` of them stacked along M."""
+    """m16n8k16 mma.sync over `num_threads // 32` warps, `atom_m` of them stacked along M;
+    m16n8k8 TF32 (split TF32) for fp32."""
     warps = num_threads // 32
+    if dtype is cutlass.Float32:
+        return tiled_mma_tf32(atom_m, warps // atom_m)
     atoms = (atom_m, warps // atom_m, 1)
     return cute.make_tiled_mma(
         warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),

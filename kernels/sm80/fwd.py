@@ -13,6 +13,10 @@ Data movement per key block n (num_stages K/V buffers in smem, cp.async groups):
     wait V[n]            -> issue K[n - num_stages]
     O += P V[n]           (P straight from registers as the A operand; ldmatrix.trans for V)
 Epilogue: O /= row_sum, stage O through smem (reusing sQ) for 16-byte stores, write LSE.
+
+fp32 inputs take the same loop with split TF32 products (kernels/common/tf32.py: three m16n8k8
+TF32 mma.sync per product, operands read through the MMA's partitions instead of ldmatrix, P kept
+in fp32 as the A operand of P V) and their own tiles (`_fp32_tiles`).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..common.layouts import (
 )
 from ..common.mask import apply_mask
 from ..common.softmax import LOG2_E, OnlineSoftmax
+from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
 from .config import Sm80FwdConfig
 
 SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
@@ -91,6 +96,9 @@ class FlashAttnFwdSm80:
         dtype, head_dim, causal = config.dtype, config.head_dim, config.causal
         tile_m, tile_n, num_warps, num_stages = config.tile_m, config.tile_n, config.num_warps, config.num_stages
         self.dtype = dtype
+        # fp32 inputs: split TF32 products (kernels/common/tf32.py) read from smem through the
+        # MMA's own partitions instead of ldmatrix
+        self.fp32 = dtype is cutlass.Float32
         self.head_dim = head_dim
         # mma k-steps are 16 wide and the swizzled smem rows 32 or 64 elements: pad head_dim
         self.tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
@@ -103,26 +111,29 @@ class FlashAttnFwdSm80:
         self.num_stages = num_stages
 
     @staticmethod
-    def smem_bytes(head_dim, tile_m, tile_n, num_stages, **_) -> int:
+    def smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype=cutlass.BFloat16, **_) -> int:
         tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
-        q = tile_m * tile_hdim * 2
-        kv = 2 * num_stages * tile_n * tile_hdim * 2
+        elem = dtype.width // 8
+        q = tile_m * tile_hdim * elem
+        kv = 2 * num_stages * tile_n * tile_hdim * elem
         return kv + q
 
     @staticmethod
     def can_implement(dtype, head_dim, causal, tile_m=128, tile_n=64, num_warps=4,
                       num_stages=2) -> bool:
-        if dtype not in (cutlass.Float16, cutlass.BFloat16):
+        if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32):
             return False
         if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
             return False
         if num_stages < 1 or tile_n % 16 != 0 or tile_m % (16 * num_warps) != 0:
             return False
-        smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages)
+        smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype)
         return smem <= SMEM_CAPACITY
 
     @staticmethod
     def default_tiles(dtype, head_dim, causal) -> dict:
+        if dtype is cutlass.Float32:
+            return FlashAttnFwdSm80._fp32_tiles(head_dim)
         # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.
         # The key tile shrinks as head_dim grows so acc_O + acc_S fit in 255 registers.
         if head_dim <= 96:
@@ -130,6 +141,16 @@ class FlashAttnFwdSm80:
         if head_dim <= 128:
             return dict(tile_m=128, tile_n=32, num_warps=4, num_stages=2)
         return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
+
+    @staticmethod
+    def _fp32_tiles(head_dim) -> dict:
+        # fp32 tiles hold twice the bytes: Q + two K/V stages stay within sm80's 163 KB, and the
+        # hi/lo fragments of one k step come on top of acc_O + acc_S in the registers.
+        if head_dim <= 64:
+            return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
+        if head_dim <= 128:
+            return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
+        return dict(tile_m=64, tile_n=32, num_warps=4, num_stages=1)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -169,11 +190,14 @@ class FlashAttnFwdSm80:
         gmem_tiled_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), dtype, self.num_threads, row_elems)
         # warps side by side along M; the N permutation makes one tile 16 wide so each B
         # ldmatrix.x4 feeds two n8 mmas
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
-            (self.num_warps, 1, 1),
-            permutation_mnk=(self.num_warps * 16, 16, 16),
-        )
+        if cutlass.const_expr(self.fp32):
+            tiled_mma = tiled_mma_tf32(self.num_warps, 1)
+        else:
+            tiled_mma = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+                (self.num_warps, 1, 1),
+                permutation_mnk=(self.num_warps * 16, 16, 16),
+            )
 
         num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
         grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
@@ -254,25 +278,33 @@ class FlashAttnFwdSm80:
 
         # ---- MMA partitions ----
         thr_mma = tiled_mma.get_slice(tidx)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
         acc_O = cute.make_rmem_tensor(
             thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32
         )
         acc_O.fill(0.0)
 
-        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
-        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
-        smem_thr_copy_Q = cute.make_tiled_copy_A(
-            cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
-        smem_thr_copy_K = cute.make_tiled_copy_B(
-            cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
-        smem_thr_copy_V = cute.make_tiled_copy_B(
-            cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma).get_slice(tidx)
-        tSsQ = smem_thr_copy_Q.partition_S(sQ)
-        tSsK = smem_thr_copy_K.partition_S(sK)
-        tOsVt = smem_thr_copy_V.partition_S(sVt)
+        if cutlass.const_expr(self.fp32):
+            # split TF32 reads its operands through the MMA's partitions (32-bit loads)
+            tSrQ = tSrK = tOrVt = None
+            smem_thr_copy_Q = smem_thr_copy_K = smem_thr_copy_V = None
+            tSsQ = thr_mma.partition_A(sQ)
+            tSsK = thr_mma.partition_B(sK)
+            tOsVt = thr_mma.partition_B(sVt)
+        else:
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+            tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+            ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+            ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+            smem_thr_copy_Q = cute.make_tiled_copy_A(
+                cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+            smem_thr_copy_K = cute.make_tiled_copy_B(
+                cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+            smem_thr_copy_V = cute.make_tiled_copy_B(
+                cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma).get_slice(tidx)
+            tSsQ = smem_thr_copy_Q.partition_S(sQ)
+            tSsK = smem_thr_copy_K.partition_S(sK)
+            tOsVt = smem_thr_copy_V.partition_S(sVt)
 
         load_kv = partial(self._load_kv, gmem_tiled_copy_QKV, tKVcKV, t0KVcKV, tKVpKV, seqlen_k)
 
@@ -376,8 +408,11 @@ class FlashAttnFwdSm80:
 
         # S = Q K^T
         tSsK_cur = tSsK[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
-        gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K,
-                  tSsQ, smem_thr_copy_Q)
+        if cutlass.const_expr(self.fp32):
+            gemm_split_tf32(tiled_mma, acc_S, tSsK_cur, tCsA=tSsQ)
+        else:
+            gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K,
+                      tSsQ, smem_thr_copy_Q)
 
         next_write = self._advance(smem_write)
         n_block_k = n_block - stages
@@ -394,9 +429,12 @@ class FlashAttnFwdSm80:
                                            check_inf=mask_seqlen or mask_causal or self.causal)
         if cutlass.const_expr(not is_first):
             softmax.rescale_O_if_needed(acc_O, row_scale)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
-        tOrP = reshape_acc_to_frgA(rP)
+        if cutlass.const_expr(self.fp32):
+            tOrP = acc_as_frgA(acc_S)  # P stays fp32, split per k step of P V
+        else:
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            tOrP = reshape_acc_to_frgA(rP)
 
         if cutlass.const_expr(stages > 1):
             wait_and_sync()  # V[n_block] ready, every warp done with K[smem_read]
@@ -406,7 +444,10 @@ class FlashAttnFwdSm80:
 
         # O += P V
         tOsVt_cur = tOsVt[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
-        gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
+        if cutlass.const_expr(self.fp32):
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt_cur, tCrA=tOrP)
+        else:
+            gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
 
     @cute.jit
     def _advance(self, stage):

@@ -268,7 +268,8 @@ def test_kernel_support_issue_names_the_reason():
     from cute_flash.validate import kernel_support_issue
 
     q, k, v = qkv(d=64)
-    assert "no kernel" in kernel_support_issue(q, k, v)  # fp32
+    assert "CUDA" in kernel_support_issue(q, k, v)  # fp32 has kernels: these CPU tensors do not
+    assert "not supported" in kernel_support_issue(*(t.double() for t in (q, k, v)))
     q, k, v = (t.bfloat16() for t in (q, k, v))
     assert "CUDA" in kernel_support_issue(q, k, v)
     assert "multiple of nheads_kv" in kernel_support_issue(q, k[:, :, :1].expand(-1, -1, 3, -1), v[:, :, :1].expand(-1, -1, 3, -1))

@@ -17,8 +17,8 @@ from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
 from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 
 ARCH = "sm_80"
-BF16, FP16 = cutlass.BFloat16, cutlass.Float16
-TORCH_DTYPES = {BF16: torch.bfloat16, FP16: torch.float16}
+BF16, FP16, FP32 = cutlass.BFloat16, cutlass.Float16, cutlass.Float32
+TORCH_DTYPES = {BF16: torch.bfloat16, FP16: torch.float16, FP32: torch.float32}
 
 
 def backward_plan(dtype, head_dim, causal, deterministic=False, gqa=False, arch=ARCH):
@@ -118,9 +118,39 @@ def test_tiles_fit_and_cover_every_head_dim():
                 tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal, arch, gqa)
                 assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, arch, **tiles), (head_dim, tiles)
                 assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= smem_capacity(arch)
-    assert not FlashAttnBwdSm80.can_implement(cutlass.Float32, 64, False)
     assert not FlashAttnBwdSm80.can_implement(BF16, 260, False)
     assert not FlashAttnBwdSm80.can_implement(BF16, 44, False)
+
+
+# fp32 (split TF32): every tile class of FlashAttnBwdSm80._fp32_tiles for both targets, an odd
+# head dim, deterministic and grouped-query variants.
+FP32_TARGETS = [
+    ((FP32, 64, False, False, False), ARCH), ((FP32, 40, True, True, True), ARCH),
+    ((FP32, 128, True, False, False), ARCH), ((FP32, 256, False, False, False), ARCH),
+    ((FP32, 128, False, True, True), "sm_90a"), ((FP32, 256, True, False, False), "sm_90a"),
+]
+
+
+@pytest.mark.parametrize("variant,arch", FP32_TARGETS, ids=[f"{_id(v)}-{a}" for v, a in FP32_TARGETS])
+def test_fp32_main_kernel_compiles_to_split_tf32_without_spills(variant, arch, capsys):
+    dtype, head_dim, causal, deterministic, gqa = variant
+    plan = backward_plan(dtype, head_dim, causal, deterministic, gqa, arch).main
+    with capsys.disabled():
+        report = compile_report(*plan.build(), arch=arch)
+    ptx = report.ptx
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx
+    assert "cvt.rna.tf32.f32" in ptx  # the hi / lo split
+    assert "ldmatrix" not in ptx and "m16n8k16" not in ptx
+    assert "cp.async" in ptx and "red." in ptx
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
+
+
+def test_fp32_tiles_fit_every_head_dim():
+    for head_dim in range(8, 257, 8):
+        for arch in (ARCH, "sm_90a"):
+            tiles = FlashAttnBwdSm80.default_tiles(FP32, head_dim, True, arch)
+            assert FlashAttnBwdSm80.can_implement(FP32, head_dim, True, arch, **tiles), (head_dim, arch, tiles)
+            assert FlashAttnBwdSm80.smem_bytes(FP32, head_dim, **tiles) <= smem_capacity(arch)
 
 
 def test_compile_key_holds_only_code_generating_choices():

@@ -24,17 +24,21 @@ def _sm80_target(monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_80")
 
 
-@pytest.mark.parametrize(
-    "dtype,head_dim,causal", VARIANTS,
-    ids=[f"{d.__name__}-d{h}-{'causal' if c else 'full'}" for d, h, c in VARIANTS],
-)
-def test_sm80_fwd_compiles_without_spills(dtype, head_dim, causal):
+def _compile_default_tiles(dtype, head_dim, causal):
     tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
     assert FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, **tiles)
     kernel = FlashAttnFwdSm80(Sm80FwdConfig(dtype, head_dim, causal, **tiles))
     args = [fake_bshd(dtype, head_dim) for _ in range(4)]
     args += [fake_rowstat(), cutlass.Float32(1.0), fake_stream()]
-    report = compile_report(kernel, args, arch="sm_80")
+    return compile_report(kernel, args, arch="sm_80")
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,causal", VARIANTS,
+    ids=[f"{d.__name__}-d{h}-{'causal' if c else 'full'}" for d, h, c in VARIANTS],
+)
+def test_sm80_fwd_compiles_without_spills(dtype, head_dim, causal):
+    report = _compile_default_tiles(dtype, head_dim, causal)
 
     assert "mma.sync.aligned.m16n8k16.row.col.f32" in report.ptx
     assert "ldmatrix.sync.aligned" in report.ptx
@@ -45,8 +49,24 @@ def test_sm80_fwd_compiles_without_spills(dtype, head_dim, causal):
     assert report.registers <= 255
 
 
+# fp32 (split TF32): one variant per tile class of FlashAttnFwdSm80._fp32_tiles, an odd head dim.
+FP32_VARIANTS = [(32, True), (64, False), (40, False), (128, True), (256, False)]
+
+
+@pytest.mark.parametrize("head_dim,causal", FP32_VARIANTS,
+                         ids=[f"float32-d{h}-{'causal' if c else 'full'}" for h, c in FP32_VARIANTS])
+def test_sm80_fwd_fp32_compiles_to_split_tf32_without_spills(head_dim, causal):
+    report = _compile_default_tiles(cutlass.Float32, head_dim, causal)
+
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in report.ptx
+    assert "cvt.rna.tf32.f32" in report.ptx  # the hi / lo split
+    assert "ldmatrix" not in report.ptx and "m16n8k16" not in report.ptx
+    assert "cp.async.cg.shared.global" in report.ptx
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+
+
 def test_default_tiles_fit_every_head_dim():
-    for dtype in (cutlass.BFloat16, cutlass.Float16):
+    for dtype in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
         for head_dim in range(8, 257, 8):
             for causal in (False, True):
                 tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)

@@ -1,6 +1,7 @@
 """Dispatch: which kernel serves which GPU, and what the compile key holds."""
 
 import pytest
+import cutlass
 import torch
 
 from cute_flash import UnsupportedDtypeError, device, dispatch
@@ -20,9 +21,16 @@ def test_families(monkeypatch):
     assert device.kernel_family((9, 0)) == "sm80"
 
 
-def test_fp32_has_no_kernel_yet():
-    with pytest.raises(UnsupportedDtypeError, match="bfloat16"):
-        dispatch.plan_forward((8, 0), torch.float32, 64, False)
+@pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
+def test_fp32_runs_on_the_sm80_kernels_everywhere(capability):
+    """Split TF32 lives in the sm80 kernels: fp32 plans them on the H100 too, every head dim."""
+    for head_dim in range(8, 257, 8):
+        assert dispatch.plan_forward(capability, torch.float32, head_dim, True).family == "sm80"
+    backward = dispatch.plan_backward(capability, torch.float32, 128, False)
+    assert {backward.pre.family, backward.main.family, backward.post.family} == {"sm80"}
+    assert backward.main.config.dtype is cutlass.Float32
+    with pytest.raises(UnsupportedDtypeError, match="float32"):
+        dispatch.plan_forward(capability, torch.float64, 64, False)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0)])

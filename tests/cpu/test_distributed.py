@@ -201,7 +201,8 @@ def test_ring_errors_are_typed_and_raised_before_any_message(stand_ins):
 def test_the_kernels_rules_apply_without_stand_ins():
     q, k, v = qkv(dtype=torch.float32)
     expect(ErrorCode.CUDA_ERROR, cute_flash.CudaError, ring_flash_attn_func, q.bfloat16(), k.bfloat16(), v.bfloat16())
-    expect(ErrorCode.UNSUPPORTED_DTYPE, cute_flash.UnsupportedDtypeError, ring_flash_attn_func, q, k, v)
+    expect(ErrorCode.UNSUPPORTED_DTYPE, cute_flash.UnsupportedDtypeError, ring_flash_attn_func, q.double(), k.double(),
+           v.double())
 
 
 # --- The ring, in 2 and 4 processes -------------------------------------------------------------------

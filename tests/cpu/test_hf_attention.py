@@ -159,11 +159,11 @@ def test_calls_the_kernels_cannot_serve_run_sdpa(kernels, name, case, message):
 
 
 def test_inputs_without_a_kernel_run_sdpa(monkeypatch):
-    """The real support check on the CPU: fp32 CPU tensors have no kernel."""
+    """The real support check on the CPU: CPU tensors have no kernel."""
     calls = install(monkeypatch)
     monkeypatch.setattr(hf, "_warned", set())
     q, k, v = bhsd()
-    with pytest.warns(UserWarning, match="no kernel computes them"):
+    with pytest.warns(UserWarning, match="must be on a CUDA GPU"):
         out, _ = hf.attention_forward(MODULE, q, k, v, None, scaling=0.3)
     torch.testing.assert_close(out, sdpa_attention(MODULE, q, k, v, None, scaling=0.3)[0], rtol=0, atol=0)
     assert calls.forward_calls == []

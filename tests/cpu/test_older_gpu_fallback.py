@@ -77,7 +77,7 @@ def test_what_the_fallback_cannot_give_is_a_typed_error(runs_on_t4):
     with pytest.warns(RuntimeWarning), pytest.raises(cute_flash.UnsupportedArgumentError, match="no lse"):
         cute_flash.flash_attn_func(q, q, q, return_lse=True)
     with pytest.raises(cute_flash.UnsupportedDtypeError):
-        cute_flash.flash_attn_func(q.float(), q.float(), q.float())
+        cute_flash.flash_attn_func(q.double(), q.double(), q.double())
 
 
 def test_sdpa_routing_says_once_that_torch_keeps_the_older_gpu(t4, monkeypatch):

@@ -518,3 +518,24 @@ def test_whole_run_on_cpu_writes_one_valid_file(tmp_path, monkeypatch, capsys):
     assert doc["roofline"] is None and doc["complete"] is True
     out = capsys.readouterr()
     assert "wrote" in out.out and "[" in out.err  # summary on stdout, progress on stderr
+
+
+def test_fp32_suite_and_errors_vs_float64_on_cpu():
+    """The fp32 suite's cells and peers, and each method's error beside its timing: exact for the
+    plain-torch method on fp32 inputs (float64 stand-in reference), absent without `accuracy`."""
+    suite = get_suite("fp32")
+    assert suite.dtype == "fp32" and suite.accuracy
+    assert {(c.batch, c.seqlen_q, c.nheads, c.headdim, c.causal) for c in suite.cells} == {
+        (4, 4096, 16, d, c) for d in (64, 128) for c in (False, True)}
+    assert all(c.passes == ("fwd", "bwd") for c in suite.cells)
+    assert set(suite.methods) == {"ours", "standard", "sdpa_math", "sdpa_efficient"}
+
+    cell = Cell(2, 48, 48, 2, 2, 16, True, ("fwd", "bwd"))
+    methods = [Method("standard", "reference", "plain torch", standard_attention)]
+    rows = bench.measure_cell(cell, "unit", "fp32", methods, harness.WallClock(), 50 * 2**20,
+                              bench.Progress(2, stream=io.StringIO()), target_s=0.0, device="cpu", accuracy=True)
+    assert [r["pass"] for r in rows] == ["fwd", "bwd"] and all(r["status"] == "ok" for r in rows)
+    assert all(0 <= r["max_error"] < 1e-5 for r in rows)
+    rows = bench.measure_cell(cell, "unit", "fp32", methods, harness.WallClock(), 50 * 2**20,
+                              bench.Progress(2, stream=io.StringIO()), target_s=0.0, device="cpu")
+    assert all("max_error" not in r for r in rows)

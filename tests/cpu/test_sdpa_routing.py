@@ -200,7 +200,7 @@ def test_calls_the_kernels_cannot_serve_go_to_torch(kernels, name, case):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inputs_without_a_kernel_go_to_torch(monkeypatch, dtype):
-    """Unpatched support check on the CPU: no CUDA device (and no fp32 kernel), so torch's kernel runs."""
+    """Unpatched support check on the CPU: no CUDA device, so torch's kernel runs."""
     calls = install(monkeypatch)
     q, k, v = bhsd(dtype=dtype)
     torch_kernel = TorchKernel()

@@ -1,6 +1,7 @@
 """Corners of the online softmax on the GPU, forward and backward, against the float64 reference:
 softmax_scale = 0 (uniform attention over the visible keys), rows whose scores are all equal,
-scores of +-1e4, inputs filled with 100 or 1e-6, seqlen 1 with and without causal."""
+scores of +-1e4, inputs filled with 100 or 1e-6, seqlen 1 with and without causal; for the 16-bit
+dtypes and fp32 (split TF32, held to its own bar: tests/gpu/common.py)."""
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype, head_dim, seqlens, nheads_kv", [
     (torch.bfloat16, 64, (113, 203), 4), (torch.float16, 128, (300, 300), 2), (torch.bfloat16, 96, (1, 77), 1),
+    (torch.float32, 64, (113, 203), 2), (torch.float32, 128, (1, 77), 1),
 ], ids=str)
 def test_zero_softmax_scale_is_uniform_attention(dtype, head_dim, seqlens, nheads_kv, causal):
     sq, sk = seqlens
@@ -41,7 +43,8 @@ def test_zero_softmax_scale_is_uniform_attention(dtype, head_dim, seqlens, nhead
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("fill", ["equal_rows", "large_scores", "hundred", "tiny"])
-@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.float16, 128)], ids=str)
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 64), (torch.float16, 128), (torch.float32, 64)],
+                         ids=str)
 def test_softmax_corners_stay_finite_and_accurate(dtype, head_dim, fill, causal):
     sq = sk = 257
     q, k, v = (randn(1, n, 2, head_dim, dtype=dtype) for n in (sq, sk, sk))
@@ -65,13 +68,14 @@ def test_softmax_corners_stay_finite_and_accurate(dtype, head_dim, fill, causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_single_row_and_single_key(causal):
-    q, k, v = (randn(3, 1, 4, 64, dtype=torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_single_row_and_single_key(dtype, causal):
+    q, k, v = (randn(3, 1, 4, 64, dtype=dtype) for _ in range(3))
     out, lse = run_forward(q, k, v, causal)
     assert torch.allclose(out, v, rtol=1e-2, atol=0)  # one key: its V row
     assert torch.allclose(lse.double(), (q.double() * k.double()).sum(-1).transpose(1, 2) / 8, atol=1e-3)
     assert_forward_accurate(out, lse, q, k, v, causal)
-    dout = randn(3, 1, 4, 64, dtype=torch.bfloat16)
+    dout = randn(3, 1, 4, 64, dtype=dtype)
     dq, dk, dv = run_backward(q, k, v, dout, causal)
     assert torch.allclose(dv, dout, rtol=1e-2, atol=0)  # P = 1
     assert_backward_accurate((dq, dk, dv), dout, q, k, v, causal)
