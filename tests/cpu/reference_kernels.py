@@ -13,6 +13,13 @@ from cute_flash import reference_attention
 from cute_flash.reference import alibi_bias, visible_keys
 
 
+def _mods(window_size, softcap, alibi_slopes) -> dict:
+    """The score modifications of a call, for its record: none when the call has none."""
+    if tuple(window_size) == (-1, -1) and softcap == 0.0 and alibi_slopes is None:
+        return {}
+    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes}
+
+
 class ReferenceKernels:
     def __init__(self):
         self.forward_calls: list[dict] = []
@@ -21,7 +28,7 @@ class ReferenceKernels:
     def forward(self, q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, window_size=(-1, -1),
                 softcap=0.0, alibi_slopes=None):
         self.forward_calls.append({"q": q, "k": k, "v": v, "softmax_scale": softmax_scale, "causal": causal,
-                                   "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes})
+                                   **_mods(window_size, softcap, alibi_slopes)})
         ref_out, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale,
                                                causal=causal, window_size=window_size, softcap=softcap,
                                                alibi_slopes=alibi_slopes)
@@ -42,7 +49,7 @@ class ReferenceKernels:
         a softmax of its own: a caller that passes the out and lse of a larger attention (ring
         attention passes the merged ones of the whole sequence) gets that attention's gradients."""
         self.backward_calls.append({"softmax_scale": softmax_scale, "causal": causal, "deterministic": deterministic,
-                                    "window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes})
+                                    **_mods(window_size, softcap, alibi_slopes)})
         scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         group = q.shape[2] // k.shape[2]
         qh, doh, oh = (t.double().transpose(1, 2) for t in (q, dout, out))

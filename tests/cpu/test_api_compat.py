@@ -118,6 +118,7 @@ def test_score_mods_reach_the_kernels_forward_and_backward(kernels, kwargs):
     for call in (fwd, bwd):
         assert tuple(call["window_size"]) == ref_kwargs["window_size"] and call["softcap"] == kwargs.get("softcap", 0.0)
         assert (call["alibi_slopes"] is None) == ("alibi_slopes" not in kwargs)
+    assert call["alibi_slopes"] is None or torch.equal(call["alibi_slopes"].reshape(-1), kwargs["alibi_slopes"].reshape(-1))
 
 
 def test_old_positional_order_is_rejected_not_misread(kernels):
