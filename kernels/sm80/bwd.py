@@ -52,7 +52,7 @@ from cute_flash.kernels.common.layouts import (
     transpose_view,
 )
 from cute_flash.kernels.common.softmax import LOG2_E
-from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, softcap_grad
+from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
 from cute_flash.kernels.sm80.config import Sm80BwdConfig
 
 SMEM_CAPACITY_SM80 = 163 * 1024
@@ -265,14 +265,8 @@ class FlashAttnBwdSm80:
 
         grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
         # P's exponent: at scale softcap with softcap (the forward's parametrization)
-        score_scale = softcap if cutlass.const_expr(self.softcap) else softmax_scale
-        mods = {}
-        if cutlass.const_expr(self.window):
-            mods.update(window_left=window_left, window_right=window_right)
-        if cutlass.const_expr(self.softcap):
-            mods.update(softcap_pre=softmax_scale / softcap)
-        if cutlass.const_expr(self.alibi):
-            mods.update(mAlibiSlopes=mAlibiSlopes, alibi_scale=-1.0 / score_scale)
+        score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
+                                            window_right, softcap, mAlibiSlopes)
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
             softmax_scale, score_scale * LOG2_E,

@@ -41,7 +41,7 @@ from ..common.layouts import (
     store_tile_rows,
     transpose_view,
 )
-from ..common.mask import apply_alibi, apply_mask, apply_softcap
+from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm80FwdConfig
 
@@ -209,20 +209,10 @@ class FlashAttnFwdSm80:
 
         num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
         grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
-        if cutlass.const_expr(not self.softcap):
-            softmax_scale_log2 = softmax_scale * LOG2_E
-        else:
-            # flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
-            softmax_scale_log2 = softcap * LOG2_E
-        mods = {}
-        if cutlass.const_expr(self.window):
-            mods.update(window_left=window_left, window_right=window_right)
-        if cutlass.const_expr(self.softcap):
-            mods.update(softcap_pre=softmax_scale / softcap)
-        if cutlass.const_expr(self.alibi):
-            # the bias in the units the softmax scales
-            mods.update(mAlibiSlopes=mAlibiSlopes, alibi_scale=-1.0 / (softcap if cutlass.const_expr(self.softcap)
-                                                                      else softmax_scale))
+        # with softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
+        score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
+                                            window_right, softcap, mAlibiSlopes)
+        softmax_scale_log2 = score_scale * LOG2_E
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma,
