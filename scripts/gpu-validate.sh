@@ -22,6 +22,7 @@ start=$(date +%s)
 cute-flash warmup --jobs "$JOBS" --head-dims "$HEAD_DIMS" --passes fwd,bwd 2>&1 | tail -1
 CUTE_FLASH_KERNEL_ARCH=sm80 cute-flash warmup --jobs "$JOBS" --head-dims "$HEAD_DIMS" --gqa 2>&1 | tail -1
 python3 -m tests.gpu.warm_sweep --jobs "$JOBS" 2>&1 | tail -1
+python3 -m tests.gpu.test_window_softcap_alibi --warm 2>&1 | tail -1
 echo "warmup: $(( $(date +%s) - start )) s"
 status=0
 if [ "$sanitize" = 1 ]; then
