@@ -157,3 +157,27 @@ def test_window_normalization_is_exact(sq, sk):
         assert not (mods.causal and mods.window is not None)
     assert score_mods(True, (-1, -1), 0.0, None, 8, 8) == (True, None, 0.0, None)
     assert score_mods(False, (-1, 0), 0.0, None, 8, 8).causal
+
+
+def test_kernel_arguments_of_the_modifications():
+    """What the kernels receive at run time: nothing for a plain call; the window's sides with an
+    unbounded one as seqlen_q + seqlen_k; the cap; (1 or batch, nheads) slopes; None for the rest."""
+    from cute_flash import api
+    from cute_flash.validate import Problem
+
+    problem = Problem(2, 100, 300, 4, 2, 64, torch.float16, torch.device("cpu"))
+    mods, args = api._score_mods(problem, False, (-1, -1), 0.0, None)
+    assert args == () and mods.flags == (False, False, False)
+    mods, args = api._score_mods(problem, True, (-1, -1), 0.0, None)
+    assert args == () and mods.causal
+    mods, args = api._score_mods(problem, False, (50, -1), 0.0, None)
+    assert args == (50, 400, None, None) and not mods.causal
+    mods, args = api._score_mods(problem, True, (50, 7), 30, None)
+    assert args == (50, 0, 30.0, None) and mods.flags == (True, True, False)
+    slopes = torch.rand(4)
+    mods, args = api._score_mods(problem, False, [-1, -1], 0.0, slopes)
+    assert args[:3] == (None, None, None) and args[3].shape == (1, 4) and torch.equal(args[3][0], slopes)
+    with pytest.raises(cute_flash.DimensionMismatchError):
+        api._score_mods(problem, False, (-1, -1), 0.0, torch.rand(3, 4))
+    with pytest.raises(cute_flash.InvalidDimensionError):
+        api._score_mods(problem, False, (-3, 1), 0.0, None)
