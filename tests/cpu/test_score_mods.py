@@ -181,3 +181,42 @@ def test_kernel_arguments_of_the_modifications():
         api._score_mods(problem, False, (-1, -1), 0.0, torch.rand(3, 4))
     with pytest.raises(cute_flash.InvalidDimensionError):
         api._score_mods(problem, False, (-3, 1), 0.0, None)
+
+
+def forward_walk(ranges, m, sq, sk, left, right):
+    """The key blocks the sm80 forward visits for query block m with a window, in order, each with
+    whether it is masked (kernels/sm80/fwd.py: kernel, the same integer steps)."""
+    n_min, n_max = ranges.n_block_min_max_window(m, sq, sk, left, right)
+    n_min = min(n_min, max(n_max - 1, 0))
+    first = max(n_max - 1, n_min)
+    right_mask, left_mask = ranges.n_block_window_masks(m, sq, sk, left, right)
+    unmasked_end = max(min(right_mask, first), n_min)
+    masked_end = max(min(left_mask, unmasked_end), n_min)
+    walk = [(first, True)]
+    walk += [(n, True) for n in range(first - 1, unmasked_end - 1, -1)]
+    walk += [(n, False) for n in range(unmasked_end - 1, masked_end - 1, -1)]
+    walk += [(n, True) for n in range(masked_end - 1, n_min - 1, -1)]
+    return walk
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 64), (128, 32), (64, 64)])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (5, 300), (300, 5), (129, 257), (700, 700), (1000, 64)])
+def test_forward_walk_visits_every_visible_block_once_and_masks_every_edge(sq, sk, tile_m, tile_n):
+    ranges = BlockRanges(tile_m, tile_n, False)
+    num_n = -(-sk // tile_n)
+    for window in WINDOWS + [(0, -1), (5, 5)]:
+        left, right = (sq + sk if side < 0 else side for side in window)
+        seen = visible(sq, sk, left, right)
+        for m in range(-(-sq // tile_m)):
+            rows = range(m * tile_m, min((m + 1) * tile_m, sq))
+            walk = forward_walk(ranges, m, sq, sk, left, right)
+            blocks = [n for n, _ in walk]
+            assert blocks == sorted(set(blocks), reverse=True) and 0 <= blocks[-1] and blocks[0] < num_n
+            for n in range(num_n):
+                keys = range(n * tile_n, min((n + 1) * tile_n, sk))
+                if any(seen[i][j] for i in rows for j in keys):
+                    assert n in blocks, (window, m, n)
+            for n, masked in walk:
+                if not masked:
+                    keys = range(n * tile_n, (n + 1) * tile_n)
+                    assert keys.stop <= sk and all(seen[i][j] for i in rows for j in keys), (window, m, n)
