@@ -72,13 +72,8 @@ def fake_dq_accum() -> cute.Tensor:
     return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
 
 
-def fake_alibi_slopes() -> cute.Tensor:
-    """(1 or batch, nheads) float32 ALiBi slopes, last stride 1 (the API reshapes (nheads,) to (1, nheads))."""
-    return make_fake_tensor(cutlass.Float32, (_sym_extent(), _sym_extent()), (cute.sym_int64(), 1), assumed_align=4)
-
-
 def fake_score_mods(window: bool, softcap: bool, alibi: bool) -> tuple:
-    """The score modifications' arguments of a kernel's `call_with_mods` (window left, window right,
-    softcap, ALiBi slopes), None for each one the kernel leaves out (passed as None at call time too)."""
-    return ((cutlass.Int32(0), cutlass.Int32(0)) if window else (None, None)) + (
-        cutlass.Float32(1.0) if softcap else None, fake_alibi_slopes() if alibi else None)
+    """`call_with_mods`' window sides, softcap, (1 or batch, nheads) fp32 slopes; None where off."""
+    return ((cutlass.Int32(0),) * 2 if window else (None, None)) + (cutlass.Float32(1.0) if softcap else None, (
+        make_fake_tensor(cutlass.Float32, (_sym_extent(),) * 2, (cute.sym_int64(), 1), assumed_align=4) if alibi
+        else None))

@@ -76,10 +76,8 @@ def make_inputs(cell: Cell, dtype: torch.dtype, n_sets: int, grad: bool, device:
     return sets
 
 
-def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float, mods: dict | None = None):
-    """`run(i)` performs one `pass_` on input set i and returns its fresh outputs; `mods`: the
-    cell's score modifications (Cell.mods)."""
-    mods = mods or {}
+def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float, mods: dict = {}):  # noqa: B006
+    """`run(i)` performs one `pass_` on input set i (with Cell.mods) and returns its fresh outputs."""
     if pass_ == "fwd":
         def run(i):
             q, k, v, _ = sets[i]
