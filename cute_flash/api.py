@@ -14,7 +14,10 @@ from . import dispatch
 from .errors import MissingTensorError
 from .launchers import backward_launcher, forward_launcher
 from .tensors import VECTOR_BYTES
-from .validate import check_device, check_flag, check_like, check_qkv, check_softmax_scale, lse_shape
+from .validate import (
+    check_alibi_slopes, check_device, check_flag, check_like, check_qkv, check_softcap, check_softmax_scale,
+    check_window, lse_shape, score_mods,
+)
 
 
 def as_torch(name: str, t):
@@ -127,26 +130,50 @@ def _launcher(memo: dict, plan_of, device: torch.device, *problem):
     return launch
 
 
-def _plan_forward(capability, dtype, head_dim, causal, length):
-    plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, devices.sm_count(torch.cuda.current_device()))
+def _plan_forward(capability, dtype, head_dim, causal, length, mods):
+    plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, devices.sm_count(torch.cuda.current_device()),
+                                 mods=mods)
     return forward_launcher(plan)
 
 
-def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa):
-    return backward_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa))
+def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods):
+    return backward_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods))
 
 
-def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
+def _score_mods(problem, causal, window_size, softcap, alibi_slopes):
+    """The checked score modifications (validate.score_mods) and the kernels' runtime arguments for
+    them: () for a plain call, else (window left, window right, softcap, slopes) with None for each
+    one left out and an unbounded window side as a bound no row reaches."""
+    window = (-1, -1) if type(window_size) is tuple and window_size == (-1, -1) else check_window(window_size)
+    cap = 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, problem.batch, problem.nheads)
+    mods = score_mods(causal, window, cap, slopes, problem.seqlen_q, problem.seqlen_k)
+    if mods.flags == dispatch.NO_MODS:
+        return mods, ()
+    sides = (None, None)
+    if mods.window is not None:
+        unbounded = problem.seqlen_q + problem.seqlen_k
+        sides = tuple(unbounded if side < 0 else side for side in mods.window)
+    return mods, sides + (mods.softcap or None, mods.alibi_slopes)
+
+
+def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+            alibi_slopes=None):
     """Attention forward on any DLPack-capable GPU tensors; returns (out, lse) in q's framework
     (torch tensors for torch, CuPy arrays for CuPy, JAX arrays for JAX: zero copy).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim).
     `out` (like q) and `lse` ((batch, nheads, seqlen_q), float32) are written when given, and returned.
+    window_size, softcap and alibi_slopes (a torch float32 tensor) as in flash-attn 2 (docs/api.md).
     """
     caller_q, caller_out, caller_lse = q, out, lse
     q, k, v, out, lse = as_torch("q", q), as_torch("k", k), as_torch("v", v), as_torch("out", out), as_torch("lse", lse)
     problem = check_qkv(q, k, v)
+    causal = check_flag("causal", causal)
+    mods, mod_args = _score_mods(problem, causal, window_size, softcap, alibi_slopes)
     tensors = {"q": q, "k": k, "v": v}
+    if mods.alibi_slopes is not None:
+        tensors["alibi_slopes"] = mods.alibi_slopes
     if out is not None:
         check_like("out", out, q.shape, q.dtype)
         tensors["out"] = out
@@ -155,14 +182,14 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
         tensors["lse"] = lse
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
-    causal = check_flag("causal", causal)
     with _on(device):
-        length = dispatch.length_class(problem.seqlen_k, causal)
-        launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, causal, length)
+        length = dispatch.length_class(problem.seqlen_k, mods.causal)
+        launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, mods.causal, length,
+                           mods.flags)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         q_k, scale_k = _uniform_scores(q, scale)
-        launch(q_k, kernel_input(k), kernel_input(v), out_k, lse_k, scale_k)
+        launch(q_k, kernel_input(k), kernel_input(v), out_k, lse_k, scale_k, *mod_args)
         return (to_caller(caller_q, caller_out, deliver(out, out_k)),
                 to_caller(caller_q, caller_lse, deliver(lse, lse_k)))
 
@@ -178,11 +205,12 @@ def _uniform_scores(q, scale: float):
 
 
 def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
-             deterministic=False):
+             deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Gradients of attention w.r.t. q, k, v on any DLPack GPU tensors; returns (dq, dk, dv) in the
     framework of q, k and v (as `forward`).
 
-    `lse` is the one `forward` returned. `dq`, `dk`, `dv` are written when given, and returned.
+    `lse` is the one `forward` returned (with the same causal, window_size, softcap, alibi_slopes).
+    `dq`, `dk`, `dv` are written when given, and returned.
     """
     callers = (q, k, v), (dq, dk, dv)
     names = ("dout", "q", "k", "v", "out", "lse", "dq", "dk", "dv")
@@ -191,23 +219,27 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
     check_like("dout", dout, q.shape, q.dtype)
     check_like("out", out, q.shape, q.dtype)
     check_like("lse", lse, lse_shape(problem), torch.float32)
+    causal = check_flag("causal", causal)
+    mods, mod_args = _score_mods(problem, causal, window_size, softcap, alibi_slopes)
     tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
+    if mods.alibi_slopes is not None:
+        tensors["alibi_slopes"] = mods.alibi_slopes
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
             check_like(name, grad, like.shape, like.dtype)
             tensors[name] = grad
     device = check_device(tensors)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
-    causal, deterministic = check_flag("causal", causal), check_flag("deterministic", deterministic)
+    deterministic = check_flag("deterministic", deterministic)
     dispatch.cutlass_dtype(q.dtype)  # a typed error for dtypes no kernel computes, before any allocation
     with _on(device):
         grads = [output_buffer(grad, _like(like)) for grad, like in ((dq, q), (dk, k), (dv, v))]
         gqa = problem.nheads != problem.nheads_kv
-        launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, causal,
-                           deterministic, gqa)
+        launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, mods.causal,
+                           deterministic, gqa, mods.flags)
         q_k, scale_k = _uniform_scores(q, scale)
         launch(kernel_input(dout), q_k, kernel_input(k), kernel_input(v), kernel_input(out),
-               kernel_input(lse, STAT_ALIGN), *grads, scale_k)
+               kernel_input(lse, STAT_ALIGN), *grads, scale_k, *mod_args)
         if scale == 0.0:
             grads[0].zero_()  # dQ = scale * dS K, and so is dK (zero through the zero q above)
         return tuple(to_caller(like, caller_grad, deliver(given, written))

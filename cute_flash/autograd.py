@@ -8,25 +8,42 @@ directly, which saves the op dispatch on every call.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from . import api, fallback
 from .errors import UnsupportedArgumentError
-from .validate import check_flash_attn_options, check_qkv, check_softmax_scale, require_torch_tensor
+from .validate import (
+    check_alibi_slopes, check_flash_attn_options, check_qkv, check_softcap, check_softmax_scale, check_window,
+    require_torch_tensor,
+)
+
+# The score modifications travel through the ops as flash-attn 2 spells them: window sides
+# (-1 unbounded), softcap (0 off) and the float32 ALiBi slopes (no gradient, as in flash-attn).
 
 
 @torch.library.custom_op("cute_flash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
-                      causal: bool, deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      causal: bool, deterministic: bool = False, window_left: int = -1, window_right: int = -1,
+                      softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     # `deterministic` only travels to the backward (through the autograd context).
-    return api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    return api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                       softcap=softcap, alibi_slopes=alibi_slopes)
+
+
+def _check_mods_while_tracing(q, window_left, window_right, softcap, alibi_slopes):
+    check_window((window_left, window_right))
+    check_softcap(softcap)
+    check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
 
 
 @attention_forward.register_fake
-def _attention_forward_shapes(q, k, v, softmax_scale, causal, deterministic=False):
+def _attention_forward_shapes(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
+                              softcap=0.0, alibi_slopes=None):
     problem = check_qkv(q, k, v)  # shape errors surface while tracing, not at run time
+    _check_mods_while_tracing(q, window_left, window_right, softcap, alibi_slopes)
     lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse
 
@@ -34,51 +51,71 @@ def _attention_forward_shapes(q, k, v, softmax_scale, causal, deterministic=Fals
 @torch.library.custom_op("cute_flash::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
-                       deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                       alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return api.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
-                        deterministic=deterministic)
+                        deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
+                        alibi_slopes=alibi_slopes)
 
 
 @attention_backward.register_fake
-def _attention_backward_shapes(dout, q, k, v, out, lse, softmax_scale, causal, deterministic):
+def _attention_backward_shapes(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
+                               window_right=-1, softcap=0.0, alibi_slopes=None):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic = inputs
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
+    ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
     ctx.mark_non_differentiable(lse)  # returned for inspection; no gradient flows through it
     ctx.set_materialize_grads(False)  # lse's gradient would otherwise be a zero-filled tensor
 
 
+_NO_INPUT_GRADS = (None,) * 7  # softmax_scale, causal, deterministic, window sides, softcap, alibi_slopes
+
+
 def _backward(ctx, dout, _dlse):
     if dout is None:  # only lse reached the loss, and lse has no gradient
-        return None, None, None, None, None, None
-    q, k, v, out, lse = ctx.saved_tensors
+        return (None, None, None) + _NO_INPUT_GRADS
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, deterministic)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, deterministic,
+                                    ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes)
+    return (dq, dk, dv) + _NO_INPUT_GRADS
 
 
 attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, causal: bool,
-              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              deterministic: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+              alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for torch tensors, through autograd when a gradient is needed; (out, None) on a
-    GPU older than sm_80 (fallback.py)."""
+    GPU older than sm_80 (fallback.py). window and softcap checked (check_flash_attn_options)."""
     # The default scale needs the head dim; a q of the wrong rank gets its typed error here.
     head_dim = q.shape[3] if q.dim() == 4 else check_qkv(q, k, v).head_dim
     scale = check_softmax_scale(softmax_scale, head_dim)
+    plain = window == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+    if alibi_slopes is not None:  # its typed error before anything runs
+        problem = check_qkv(q, k, v)
+        check_alibi_slopes(alibi_slopes, problem.batch, problem.nheads, q.device)
     older_gpu = fallback.older_gpu(q.device)
     if older_gpu is not None:
+        if not plain:
+            raise UnsupportedArgumentError(
+                "window_size, softcap and alibi_slopes need cute-flash's kernels (sm_80 or newer); the fallback "
+                "to torch's scaled_dot_product_attention on this GPU has none of them")
         return fallback.attention(q, k, v, scale, causal, deterministic, older_gpu), None
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
-        return attention_forward(q, k, v, scale, causal, deterministic)
-    return api.forward(q, k, v, softmax_scale=scale, causal=causal)
+        return attention_forward(q, k, v, scale, causal, deterministic, *window, softcap, alibi_slopes)
+    if plain:
+        return api.forward(q, k, v, softmax_scale=scale, causal=causal)
+    return api.forward(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
+                       alibi_slopes=alibi_slopes)
 
 
 def results(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool) -> Any:
@@ -118,8 +155,12 @@ def flash_attn_func(
     with a warning the first time (no lse there).
 
     Implemented: softmax_scale (default 1/sqrt(headdim)), causal, deterministic (the backward is
-    deterministic when True or when `torch.use_deterministic_algorithms(True)` is on). Rejected with
-    `UnsupportedArgumentError`: dropout_p != 0, window_size != (-1, -1), softcap != 0, alibi_slopes.
+    deterministic when True or when `torch.use_deterministic_algorithms(True)` is on), and
+    flash-attn 2's score modifications: window_size=(left, right) (query i sees keys
+    i + seqlen_k - seqlen_q - left ... i + seqlen_k - seqlen_q + right, -1 unbounded; causal sets
+    right = 0), softcap (scores s -> softcap * tanh(s / softcap)), alibi_slopes (float32,
+    (nheads,) or (batch, nheads): bias -slope * |i + seqlen_k - seqlen_q - j|; no gradient).
+    Rejected with `UnsupportedArgumentError`: dropout_p != 0.
 
     Returns `out` (like q); `(out, lse)` with `return_lse=True`; `(out, lse, None)` with
     `return_attn_probs=True` (lse: (batch, nheads, seqlen_q) float32, natural log of the softmax
@@ -129,7 +170,7 @@ def flash_attn_func(
     require_torch_tensor("q", q)
     require_torch_tensor("k", k)
     require_torch_tensor("v", v)
-    causal, deterministic, return_attn_probs, return_lse = check_flash_attn_options(
+    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse)
-    out, lse = attention(q, k, v, softmax_scale, causal, deterministic)
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes)
     return results(out, lse, return_attn_probs, return_lse)

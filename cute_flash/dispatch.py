@@ -24,7 +24,7 @@ from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError
 from .validate import check_kernel_dtype
 from .tensors import (
-    fake_bshd, fake_dq_accum, fake_rowstat, fake_semaphore, fake_stream, fake_tail_split_workspace,
+    fake_bshd, fake_dq_accum, fake_rowstat, fake_score_mods, fake_semaphore, fake_stream, fake_tail_split_workspace,
 )
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
@@ -46,6 +46,8 @@ class Plan:
     arch: str
     # What else the compiled code depends on, beyond the configuration (an argument's dtype).
     signature: tuple = ()
+    # The kernel's jit entry point other than `__call__` (the score modifications' `call_with_mods`).
+    entry: str | None = None
 
     @property
     def key(self) -> tuple:
@@ -60,7 +62,8 @@ class Plan:
         return {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
 
     def build(self):
-        return self.kernel_cls(self.config), self.fake_args
+        kernel = self.kernel_cls(self.config)
+        return (kernel if self.entry is None else getattr(kernel, self.entry)), self.fake_args
 
     def compiled(self):
         return cache.get_or_compile(self.key, self.build, self.arch)
@@ -104,14 +107,21 @@ def fake_forward_args(cdtype, head_dim: int, takes_split_workspace: bool) -> tup
     return qkvo_lse + (cutlass.Float32(1.0), fake_stream())
 
 
+NO_MODS = (False, False, False)
+"""(sliding window, softcap, ALiBi) switched off: validate.ScoreMods.flags of a plain call."""
+
+
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                 length: str = "long", num_sms: int | None = None, family: str | None = None) -> Plan:
+                 length: str = "long", num_sms: int | None = None, family: str | None = None,
+                 mods: tuple[bool, bool, bool] = NO_MODS) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `length`
     (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's).
-    `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80"."""
+    `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80".
+    `mods` (window, softcap, ALiBi: validate.ScoreMods.flags) are served by the sm80 kernels on
+    every GPU, the Hopper forward having none of them yet."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
-    if (family or kernel_family(capability)) == "sm90":
+    if (family or kernel_family(capability)) == "sm90" and mods == NO_MODS:
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
 
@@ -124,8 +134,18 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal)
     if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
-    return Plan(FlashAttnFwdSm80, Sm80FwdConfig(cdtype, head_dim, causal, **tiles),
-                fake_forward_args(cdtype, head_dim, False), arch)
+    config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods))
+    args = fake_forward_args(cdtype, head_dim, False)
+    if mods == NO_MODS:
+        return Plan(FlashAttnFwdSm80, config, args, arch)
+    return Plan(FlashAttnFwdSm80, config, args[:-1] + fake_score_mods(*mods) + args[-1:], arch, entry="call_with_mods")
+
+
+def _mod_fields(causal: bool, mods: tuple[bool, bool, bool]) -> dict:
+    window, softcap, alibi = mods
+    if window and causal:
+        raise ValueError("a causal window comes as window right = 0 with causal=False (validate.score_mods)")
+    return dict(window=window, softcap=softcap, alibi=alibi) if mods != NO_MODS else {}
 
 
 @dataclass(frozen=True)
@@ -156,12 +176,13 @@ def _backward_main_args(cdtype, head_dim: int, dkv_dtype, stat_align: int = 4) -
 
 
 def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                  deterministic: bool = False, gqa: bool = False, family: str | None = None) -> BackwardPlan:
+                  deterministic: bool = False, gqa: bool = False, family: str | None = None,
+                  mods: tuple[bool, bool, bool] = NO_MODS) -> BackwardPlan:
     """The backward kernels for this GPU: on sm_90 the Hopper backward where its configuration
     covers the head dim (it sums GQA groups itself), else the sm80 family's (compiled for the GPU's
     own target, whose register allocation the tiles depend on), whose main kernel writes
     per-query-head fp32 dK / dV under GQA that the launcher sums per group. Both share the sm80
-    preprocess. `family` as for plan_forward."""
+    preprocess. `family` and `mods` as for plan_forward (the sm80 family serves every `mods`)."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
     from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
@@ -173,7 +194,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                 fake_rowstat(), fake_stream())
     post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
     pre = Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim), pre_args, arch)
-    if (family or kernel_family(capability)) == "sm90":
+    if (family or kernel_family(capability)) == "sm90" and mods == NO_MODS:
         from .kernels.sm90.bwd import FlashAttnBwdSm90
         from .kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
         from .kernels.sm90.config import Sm90BwdPostConfig, backward_config
@@ -191,10 +212,13 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)
+    entry = None
+    if mods != NO_MODS:
+        main_args, entry = main_args[:-1] + fake_score_mods(*mods) + main_args[-1:], "call_with_mods"
+    config = Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles, **_mod_fields(causal, mods))
     return BackwardPlan(
         pre=pre,
-        main=Plan(FlashAttnBwdSm80, Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles), main_args,
-                  arch, signature=(("dkv_dtype", dkv_dtype),)),
+        main=Plan(FlashAttnBwdSm80, config, main_args, arch, signature=(("dkv_dtype", dkv_dtype),), entry=entry),
         post=Plan(FlashAttnBwdPostprocessSm80,
                   Sm80BwdPostConfig(cdtype, head_dim, tiles["m_block_size"], tiles["atom_m_dq"], tiles["dq_chunks"]),
                   post_args, arch),

@@ -34,10 +34,10 @@ def flash_attn_qkvpacked_func(
     Same arguments, rules and returns as `flash_attn_func`; gradients flow to `qkv`.
     """
     check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
-    causal, deterministic, return_attn_probs, _ = check_flash_attn_options(
+    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
     q, k, v = qkv.unbind(dim=2)
-    out, lse = attention(q, k, v, softmax_scale, causal, deterministic)
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes)
     return results(out, lse, return_attn_probs, False)
 
 
@@ -60,8 +60,8 @@ def flash_attn_kvpacked_func(
     """
     require_torch_tensor("q", q)
     check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    causal, deterministic, return_attn_probs, _ = check_flash_attn_options(
+    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
     k, v = kv.unbind(dim=2)
-    out, lse = attention(q, k, v, softmax_scale, causal, deterministic)
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes)
     return results(out, lse, return_attn_probs, False)

@@ -23,7 +23,8 @@ the kernels compute the same function:
   (training with attention_dropout > 0), a position bias, a causal call with fewer keys than
   queries, and inputs the kernels do not take (fp32, CPU, head dims not a multiple of 8 up to
   256, query and value head dims that differ, GPUs older than sm_80);
-- softcapping (`softcap`) and attention sinks (`s_aux`) raise `UnsupportedArgumentError`.
+- softcapping (`softcap`, Gemma 2) runs in the kernels; a call that would go to "sdpa", which has
+  none, raises `UnsupportedArgumentError` instead; so do attention sinks (`s_aux`).
 
 Attention weights are never returned (None), as with "sdpa".
 """
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 
 from .errors import MissingDependencyError, UnsupportedArgumentError
-from .validate import kernel_support_issue
+from .validate import check_softcap, kernel_support_issue
 
 NAME = "cute_attention"
 """The default `attn_implementation` name."""
@@ -95,15 +96,18 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query (batch, nheads, seqlen_q, headdim), key and
     value (batch, nheads_kv, seqlen_k, headdim); returns ((batch, seqlen_q, nheads, headdim), None)."""
-    for name, what in (("softcap", "logit softcapping"), ("s_aux", "attention sinks")):
-        if kwargs.get(name) is not None:
-            raise UnsupportedArgumentError(f"{name} is not supported: cute-flash has no {what}")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedArgumentError("s_aux is not supported: cute-flash has no attention sinks")
+    softcap = check_softcap(kwargs.get("softcap") or 0.0)
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = bool(causal) and q_len > 1  # one query sees every cached key, as in "sdpa"
     reason = _fallback_reason(query, key, value, attention_mask, dropout, scaling, causal, kwargs)
     if reason is not None:
         message, category = reason
+        if softcap:
+            raise UnsupportedArgumentError(
+                f"softcap with {message}: such calls run transformers' sdpa attention, which has no softcapping")
         _warn_once(category, f"cute-flash attention: {message}; such calls run transformers' sdpa attention")
         return _sdpa_attention()(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  is_causal=is_causal, **kwargs)
@@ -113,7 +117,8 @@ def attention_forward(
         key, value = key[:, :, :q_len], value[:, :, :q_len]
     from .autograd import attention
 
-    out, _ = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal, False)
+    out, _ = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scaling, causal, False,
+                       softcap=softcap)
     return out, None
 
 

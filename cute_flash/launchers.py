@@ -1,7 +1,10 @@
 """Per-call launches: what a compiled plan needs besides q, k, v and the outputs.
 
-    forward_launcher(plan)    -> launch(q, k, v, out, lse, softmax_scale)
-    backward_launcher(plan)   -> launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    forward_launcher(plan)    -> launch(q, k, v, out, lse, softmax_scale[, *score_mods])
+    backward_launcher(plan)   -> launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale[, *score_mods])
+
+A plan with score modifications (dispatch: `mods`) takes their runtime values last: window left,
+window right, softcap, ALiBi slopes, None for each the plan leaves out (api._score_mods).
 
 The sm90 forward: a persistent non-causal kernel cuts the tiles at the end of its walk into pieces
 along the keys (kernels/sm90/tile_scheduler.py: tail_plan). Per call that takes a float32 workspace
@@ -133,13 +136,14 @@ def backward_launcher(plan: BackwardPlan) -> Callable:
     (or loads) its three kernels; each call writes the gradients into dq, dk, dv."""
     pre, main, post = (p.compiled() for p in (plan.pre, plan.main, plan.post))
 
-    def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale):
-        _backward_sm80(pre, main, post, plan, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale)
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, *mods):
+        _backward_sm80(pre, main, post, plan, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mods)
 
     return launch
 
 
-def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale):
+def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale,
+                   mods: tuple = ()):
     batch, seqlen_q, nheads, head_dim = q.shape
     seqlen_k, nheads_kv = k.shape[1], k.shape[2]
     device = q.device
@@ -161,7 +165,7 @@ def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse,
         dk_out, dv_out = dk, dv
     # TVM-FFI entry points: torch tensors as they are, the stream is the current torch stream.
     pre(out, dout, lse, lse_log2, dpsum)
-    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore, softmax_scale)
+    main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore, softmax_scale, *mods)
     post(dq_accum, dq, softmax_scale)
     if plan.gqa:
         group = nheads // nheads_kv

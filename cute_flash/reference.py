@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from .validate import check_flag, check_reference_inputs, check_softmax_scale
+from .validate import (
+    check_alibi_slopes, check_flag, check_reference_inputs, check_softcap, check_softmax_scale, check_window,
+)
 
 
 def causal_allowed(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
@@ -14,8 +16,37 @@ def causal_allowed(seqlen_q: int, seqlen_k: int, device=None) -> torch.Tensor:
     return j <= i + (seqlen_k - seqlen_q)
 
 
+def visible_keys(seqlen_q: int, seqlen_k: int, causal: bool = False, window_size=(-1, -1), device=None) -> torch.Tensor:
+    """flash-attn 2's mask, bottom-right aligned: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, where (left, right) is
+    the window and -1 an unbounded side; causal sets right = 0."""
+    left, right = window_size
+    if causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    diagonal = i + (seqlen_k - seqlen_q)
+    allowed = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if right >= 0:
+        allowed &= j <= diagonal + right
+    if left >= 0:
+        allowed &= j >= diagonal - left
+    return allowed
+
+
+def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
+    """ALiBi as flash-attn 2 documents it: -slope * |i + seqlen_k - seqlen_q - j| for query i and
+    key j, causal or not. slopes: (1 or batch, nheads); returns (1 or batch, nheads, seqlen_q,
+    seqlen_k) in slopes' precision raised to float64."""
+    i = torch.arange(seqlen_q, device=slopes.device)[:, None]
+    j = torch.arange(seqlen_k, device=slopes.device)[None, :]
+    distance = (i + (seqlen_k - seqlen_q) - j).abs().to(torch.float64)
+    return -slopes.to(torch.float64)[:, :, None, None] * distance
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
-                        causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                        causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention computed in float64, differentiable.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), torch
@@ -24,18 +55,30 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softm
     (batch, nheads, seqlen_q) float64, the natural-log logsumexp of the scaled scores. Rows that see
     no key give out = 0 and lse = -inf. softmax_scale = 0 gives uniform attention over the keys a
     row sees.
+
+    flash-attn 2's score modifications, in its order: the scaled score s becomes
+    softcap * tanh(s / softcap) when softcap > 0, then the ALiBi bias
+    -slope * |i + seqlen_k - seqlen_q - j| is added (alibi_slopes: float32, (nheads,) or
+    (batch, nheads)), then keys outside the window (`visible_keys`) are masked.
     """
     check_reference_inputs(q, k, v)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
     causal = check_flag("causal", causal)
+    window = check_window(window_size)
+    softcap = check_softcap(softcap)
+    slopes = check_alibi_slopes(alibi_slopes, q.shape[0], q.shape[2], q.device)
     q, k, v = (t.to(torch.float64) for t in (q, k, v))
     nheads, nheads_kv = q.shape[2], k.shape[2]
     qh = q.transpose(1, 2)  # (b, h, sq, d)
     kh = k.transpose(1, 2).repeat_interleave(nheads // nheads_kv, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(nheads // nheads_kv, dim=1)
     scores = torch.matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        allowed = causal_allowed(q.shape[1], k.shape[1], device=scores.device)
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    if slopes is not None:
+        scores = scores + alibi_bias(slopes, q.shape[1], k.shape[1])
+    if causal or window != (-1, -1):
+        allowed = visible_keys(q.shape[1], k.shape[1], causal, window, device=scores.device)
         scores = scores.masked_fill(~allowed, float("-inf"))
     # A softmax that stays finite (and differentiable) on rows where every key is masked.
     row_max = scores.amax(dim=-1, keepdim=True).detach()

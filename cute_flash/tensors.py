@@ -70,3 +70,10 @@ def fake_dq_accum() -> cute.Tensor:
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
     stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1)
     return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
+
+
+def fake_score_mods(window: bool, softcap: bool, alibi: bool) -> tuple:
+    """`call_with_mods`' window sides, softcap, (1 or batch, nheads) fp32 slopes; None where off."""
+    return ((cutlass.Int32(0),) * 2 if window else (None, None)) + (cutlass.Float32(1.0) if softcap else None, (
+        make_fake_tensor(cutlass.Float32, (_sym_extent(),) * 2, (cute.sym_int64(), 1), assumed_align=4) if alibi
+        else None))

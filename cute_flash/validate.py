@@ -186,44 +186,103 @@ def check_flag(name: str, value) -> bool:
     raise InvalidDimensionError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
 
 
-def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes, deterministic,
-                             return_attn_probs, return_lse) -> tuple[bool, bool, bool, bool]:
-    """The non-tensor arguments of flash-attn's interface: each is honoured or rejected with a typed
-    error, never ignored. Returns (causal, deterministic, return_attn_probs, return_lse)."""
-    # Every call pays for this check: the usual values take one comparison chain.
-    defaults = (type(dropout_p) is float and dropout_p == 0.0 and type(softcap) is float and softcap == 0.0
-                and alibi_slopes is None and type(window_size) is tuple and window_size == (-1, -1))
-    if not defaults:
-        _check_unsupported_options(dropout_p, window_size, softcap, alibi_slopes)
-    return (check_flag("causal", causal), check_flag("deterministic", deterministic),
-            check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
+class ScoreMods(NamedTuple):
+    """Sliding window, softcap and ALiBi as the kernels take them (see `score_mods`).
+
+    window: (left, right) with -1 for an unbounded side, or None for no window beyond `causal`;
+    softcap: 0.0 (off) or the cap; alibi_slopes: None or fp32 (1 or batch, nheads), last stride 1."""
+
+    causal: bool
+    window: tuple[int, int] | None = None
+    softcap: float = 0.0
+    alibi_slopes: torch.Tensor | None = None
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        """(has window, has softcap, has ALiBi): what changes a kernel's code."""
+        return self.window is not None, self.softcap != 0.0, self.alibi_slopes is not None
 
 
-def _check_unsupported_options(dropout_p, window_size, softcap, alibi_slopes) -> None:
-    p = _real("dropout_p", dropout_p)
-    if not 0.0 <= p <= 1.0:
-        raise InvalidDimensionError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if p != 0.0:
-        raise UnsupportedArgumentError(
-            f"dropout_p={dropout_p} is not supported: cute-flash has no attention dropout; pass dropout_p=0.0"
-        )
+def check_window(window_size) -> tuple[int, int]:
+    """flash-attn's window_size: a pair of integers, each -1 (unbounded) or >= 0."""
     try:
         left, right = window_size
     except (TypeError, ValueError):
         raise InvalidDimensionError(f"window_size must be a pair (left, right), got {window_size!r}") from None
-    if isinstance(left, bool) or isinstance(right, bool) or not (left == -1 and right == -1):
-        raise UnsupportedArgumentError(
-            f"window_size={window_size!r} is not supported: cute-flash has no sliding-window (local) "
-            "attention; pass window_size=(-1, -1)"
-        )
-    if _real("softcap", softcap) != 0.0:
-        raise UnsupportedArgumentError(
-            f"softcap={softcap} is not supported: cute-flash has no logit softcapping; pass softcap=0.0"
-        )
-    if alibi_slopes is not None:
-        raise UnsupportedArgumentError(
-            "alibi_slopes is not supported: cute-flash has no ALiBi bias; pass alibi_slopes=None"
-        )
+    for name, side in (("left", left), ("right", right)):
+        if isinstance(side, bool) or not isinstance(side, numbers.Integral):
+            raise InvalidDimensionError(f"window_size {name} must be an integer, got {type(side).__name__} {side!r}")
+        if side < -1:
+            raise InvalidDimensionError(
+                f"window_size {name} must be -1 (unbounded) or >= 0, got {side} in window_size={window_size!r}")
+    return int(left), int(right)
+
+
+def check_softcap(softcap) -> float:
+    """flash-attn's softcap: 0 (off) or a positive, finite cap."""
+    cap = _real("softcap", softcap)
+    if not math.isfinite(cap) or cap < 0:
+        raise InvalidDimensionError(f"softcap must be a finite number >= 0 (0 turns it off), got {softcap}")
+    return cap
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, nheads: int, device: torch.device | None = None):
+    """flash-attn's alibi_slopes: None or a float32 tensor of shape (nheads,) or (batch, nheads) on
+    q's device. Returns None or a (1 or batch, nheads) view with last stride 1 (no gradient flows
+    to the slopes, as in flash-attn)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise MissingTensorError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise UnsupportedDtypeError(f"alibi_slopes must be torch.float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
+        raise DimensionMismatchError(
+            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}) (nheads,) or (batch, nheads), "
+            f"got {tuple(alibi_slopes.shape)}")
+    if device is not None and alibi_slopes.device != device:
+        raise CudaError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    slopes = alibi_slopes.detach().reshape(-1, nheads)
+    return slopes if slopes.stride(-1) == 1 else slopes.contiguous()
+
+
+def score_mods(causal: bool, window: tuple[int, int], softcap: float, alibi_slopes, seqlen_q: int,
+               seqlen_k: int) -> ScoreMods:
+    """The window in its simplest exact form, flash-attn 2's rules: query i sees key j iff
+    i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right (a side of -1 is unbounded);
+    causal sets right = 0. A side that bounds no row (left >= seqlen_k - 1, right >= seqlen_q - 1)
+    becomes unbounded, and a window left with only right = 0 is plain causal attention."""
+    left, right = window
+    if causal:
+        right = 0
+    if left >= seqlen_k - 1:
+        left = -1
+    if right >= seqlen_q - 1:
+        right = -1
+    if left == -1 and right in (-1, 0):
+        return ScoreMods(right == 0, None, softcap, alibi_slopes)
+    return ScoreMods(False, (left, right), softcap, alibi_slopes)
+
+
+def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes, deterministic,
+                             return_attn_probs, return_lse):
+    """The non-tensor arguments of flash-attn's interface: each is honoured or rejected with a typed
+    error, never ignored. Returns (causal, window, softcap, alibi_slopes, deterministic,
+    return_attn_probs, return_lse), window and softcap checked (check_window, check_softcap);
+    alibi_slopes is checked against q's shape later (check_alibi_slopes)."""
+    # Every call pays for this check: the usual values take one comparison chain.
+    if not (type(dropout_p) is float and dropout_p == 0.0):
+        p = _real("dropout_p", dropout_p)
+        if not 0.0 <= p <= 1.0:
+            raise InvalidDimensionError(f"dropout_p must be in [0, 1], got {dropout_p}")
+        if p != 0.0:
+            raise UnsupportedArgumentError(
+                f"dropout_p={dropout_p} is not supported: cute-flash has no attention dropout; pass dropout_p=0.0"
+            )
+    window = (-1, -1) if type(window_size) is tuple and window_size == (-1, -1) else check_window(window_size)
+    cap = 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap(softcap)
+    return (check_flag("causal", causal), window, cap, alibi_slopes, check_flag("deterministic", deterministic),
+            check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
 
 
 def check_packed(name: str, t, count: int, axes: str) -> None:

@@ -76,15 +76,15 @@ def make_inputs(cell: Cell, dtype: torch.dtype, n_sets: int, grad: bool, device:
     return sets
 
 
-def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float):
-    """`run(i)` performs one `pass_` on input set i and returns its fresh outputs."""
+def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float, mods: dict = {}):  # noqa: B006
+    """`run(i)` performs one `pass_` on input set i (with Cell.mods) and returns its fresh outputs."""
     if pass_ == "fwd":
         def run(i):
             q, k, v, _ = sets[i]
             with torch.no_grad():
-                return fn(q, k, v, causal, scale)
+                return fn(q, k, v, causal, scale, **mods)
     elif pass_ == "bwd":
-        graphs = [(fn(q, k, v, causal, scale), (q, k, v), do) for q, k, v, do in sets]
+        graphs = [(fn(q, k, v, causal, scale, **mods), (q, k, v), do) for q, k, v, do in sets]
 
         def run(i):
             out, inputs, do = graphs[i]
@@ -92,7 +92,7 @@ def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float):
     elif pass_ == "fwdbwd":
         def run(i):
             q, k, v, do = sets[i]
-            return torch.autograd.grad(fn(q, k, v, causal, scale), (q, k, v), do)
+            return torch.autograd.grad(fn(q, k, v, causal, scale, **mods), (q, k, v), do)
     else:
         raise ValueError(f"unknown pass {pass_!r}")
     return run
@@ -106,7 +106,7 @@ def no_autograd_means_unsupported(status: str, pass_: str) -> str:
 
 
 def peak_of_one_call(m, pass_: str, sets: list[tuple], cell: Cell, scale: float) -> dict:
-    run = make_runner(m.fn, pass_, sets, cell.causal, scale)
+    run = make_runner(m.fn, pass_, sets, cell.causal, scale, cell.mods())
     run(0)  # warm-up: compilation and one-time workspaces are not per call
     return {"peak_bytes": harness.measure_peak_bytes(run)}
 
@@ -118,7 +118,7 @@ def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: floa
     runs, measured = {}, {}
     for m in methods:
         try:
-            runs[m.name] = make_runner(m.fn, pass_, sets, cell.causal, scale)
+            runs[m.name] = make_runner(m.fn, pass_, sets, cell.causal, scale, cell.mods())
         except Exception as exc:  # noqa: BLE001 - every failure is a result to record
             measured[m.name] = {"status": harness.classify_error(exc)}
             harness.release_memory()

@@ -31,12 +31,12 @@ DEFAULT_OUT = Path("build/dashboard")
 METHOD_STYLE = {  # fixed colours so a method looks the same in every plot
     "ours": ("tab:red", "o"), "ours_sm80": ("tab:pink", "o"), "fa4": ("tab:purple", "s"), "sdpa_flash": ("tab:blue", "^"),
     "sdpa_cudnn": ("tab:green", "v"), "sdpa_efficient": ("tab:orange", "D"),
-    "sdpa_math": ("tab:brown", "x"), "standard": ("tab:gray", "+"),
+    "sdpa_math": ("tab:brown", "x"), "standard": ("tab:gray", "+"), "flex": ("tab:cyan", "P"),
 }
 METHOD_LABELS = {  # what a reader of the pages knows the methods as
     "ours": "cute-flash", "ours_sm80": "cute-flash, sm80 kernels", "fa4": "FlashAttention-4",
     "sdpa_flash": "SDPA flash (FA2)", "sdpa_cudnn": "SDPA cuDNN", "sdpa_efficient": "SDPA mem-efficient",
-    "sdpa_math": "SDPA math", "standard": "plain PyTorch",
+    "sdpa_math": "SDPA math", "standard": "plain PyTorch", "flex": "flex_attention",
 }
 PASS_MARKER = {"fwd": "o", "bwd": "^", "fwdbwd": "s"}  # roofline: colour is the method, shape the pass
 PASS_TITLE = {"fwd": "forward", "bwd": "backward", "fwdbwd": "forward + backward"}

@@ -1,9 +1,10 @@
 """Every attention implementation the benchmark runs, behind one signature.
 
-A method is `fn(q, k, v, causal, softmax_scale) -> out` with q (batch, seqlen_q, nheads,
-headdim) and k, v (batch, seqlen_k, nheads_kv, headdim), like cute-flash. Methods that are
-not importable on this machine are still listed, with the reason, so a result file says
-what was skipped and why.
+A method is `fn(q, k, v, causal, softmax_scale, **mods) -> out` with q (batch, seqlen_q, nheads,
+headdim) and k, v (batch, seqlen_k, nheads_kv, headdim), like cute-flash; `mods` are a cell's
+score modifications (suites.Cell.mods: window=(left, right), softcap), which a method without them
+refuses with NotImplementedError (recorded as "unsupported"). Methods that are not importable on
+this machine are still listed, with the reason, so a result file says what was skipped and why.
 """
 
 from __future__ import annotations
@@ -34,6 +35,16 @@ class Method:
         return {"kind": self.kind, "description": self.description, "available": self.available, "note": self.note}
 
 
+def plain_only(fn):
+    """A method without score modifications: a cell with some is unsupported."""
+    def method(q, k, v, causal, softmax_scale, **mods):
+        if mods:
+            raise NotImplementedError(f"no {', '.join(mods)}")
+        return fn(q, k, v, causal, softmax_scale)
+
+    return method
+
+
 def standard_attention(q, k, v, causal: bool, softmax_scale: float):
     """Attention as a textbook writes it: S = QK^T in the input dtype, softmax in fp32,
     O = PV in the input dtype. Materialises the (seqlen_q, seqlen_k) score matrix per head."""
@@ -62,8 +73,8 @@ def _ours() -> Method:
 
 
 def _call_ours(flash_attn_func):
-    def fn(q, k, v, causal, softmax_scale):
-        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    def fn(q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0):
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap)
 
     return fn
 
@@ -77,11 +88,11 @@ def _ours_sm80(ours: Method) -> Method:
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         return Method("ours_sm80", "ours", desc, note="unavailable: only measured on sm90, where it differs from ours")
 
-    def fn(q, k, v, causal, softmax_scale):
+    def fn(q, k, v, causal, softmax_scale, **mods):
         saved = os.environ.get(FORCE_ARCH)
         os.environ[FORCE_ARCH] = "sm80"
         try:
-            return ours.fn(q, k, v, causal, softmax_scale)
+            return ours.fn(q, k, v, causal, softmax_scale, **mods)
         finally:
             if saved is None:
                 del os.environ[FORCE_ARCH]
@@ -100,6 +111,7 @@ def _sdpa(name: str, backend_name: str, description: str) -> Method:
     except (ImportError, AttributeError) as exc:
         return Method(name, "peer", description, note=f"unavailable: {exc}")
 
+    @plain_only
     def fn(q, k, v, causal, softmax_scale):
         gqa = {"enable_gqa": True} if q.shape[2] != k.shape[2] else {}
         with sdpa_kernel(backend):
@@ -118,11 +130,51 @@ def _fa4() -> Method:
     except Exception as exc:  # noqa: BLE001
         return Method("fa4", "peer", desc, note=f"unavailable: {type(exc).__name__}: {exc}")
 
-    def fn(q, k, v, causal, softmax_scale):
-        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    def fn(q, k, v, causal, softmax_scale, window=None, softcap=0.0):
+        window_size = (None, None) if window is None else tuple(None if side < 0 else side for side in window)
+        out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                              softcap=softcap)
         return out[0] if isinstance(out, tuple) else out  # some versions return (out, lse)
 
-    return Method("fa4", "peer", desc, fn)
+    return Method("fa4", "peer", desc, fn, note="window sides: None unbounded (FA4's spelling of flash-attn 2's -1)")
+
+
+def _flex() -> Method:
+    """torch's flex_attention (compiled), with the window as a block mask and softcap as a score mod."""
+    desc = "torch.nn.attention.flex_attention, torch.compile'd, block mask per window"
+    try:
+        import torch.nn.attention.flex_attention as flex
+    except ImportError as exc:
+        return Method("flex", "peer", desc, note=f"unavailable: {exc}")
+    compiled = torch.compile(flex.flex_attention, dynamic=False)
+    masks = {}
+
+    def block_mask(causal, window, sq, sk, device):
+        key = (causal, window, sq, sk)
+        if key not in masks:
+            left, right = window
+            right = 0 if causal else right
+
+            def visible(b, h, i, j):
+                diag = i + (sk - sq)
+                ok = (j <= diag + right) if right >= 0 else (j >= 0)
+                return ok & (j >= diag - left) if left >= 0 else ok
+
+            masks[key] = flex.create_block_mask(visible, None, None, sq, sk, device=device)
+        return masks[key]
+
+    def fn(q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0):
+        mask = None if window == (-1, -1) and not causal else block_mask(causal, window, q.shape[1], k.shape[1],
+                                                                         q.device)
+        score_mod = None
+        if softcap:
+            def score_mod(score, b, h, i, j):
+                return softcap * torch.tanh(score / softcap)
+        out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
+                       block_mask=mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+        return out.transpose(1, 2)
+
+    return Method("flex", "peer", desc, fn)
 
 
 def discover_methods(only: list[str] | None = None) -> list[Method]:
@@ -130,12 +182,13 @@ def discover_methods(only: list[str] | None = None) -> list[Method]:
     methods = [
         ours,
         _ours_sm80(ours),
-        Method("standard", "reference", "plain torch: matmul -> fp32 softmax -> matmul", standard_attention),
+        Method("standard", "reference", "plain torch: matmul -> fp32 softmax -> matmul", plain_only(standard_attention)),
         _sdpa("sdpa_math", "MATH", "torch SDPA, MATH backend"),
         _sdpa("sdpa_efficient", "EFFICIENT_ATTENTION", "torch SDPA, memory-efficient (xFormers) backend"),
         _sdpa("sdpa_flash", "FLASH_ATTENTION", "torch SDPA, FlashAttention-2 backend"),
         _sdpa("sdpa_cudnn", "CUDNN_ATTENTION", "torch SDPA, cuDNN backend"),
         _fa4(),
+        _flex(),
     ]
     if only:
         unknown = set(only) - {m.name for m in methods}
@@ -145,5 +198,6 @@ def discover_methods(only: list[str] | None = None) -> list[Method]:
     return methods
 
 
-METHOD_NAMES = ("ours", "ours_sm80", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4")
+METHOD_NAMES = ("ours", "ours_sm80", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4",
+                "flex")
 

@@ -2,7 +2,8 @@
 
 A suite is data only (a list of `Cell`s); `bench.py` decides how to run them. Every cell
 here has seqlen_q == seqlen_k, so causal masking is the same whether a library aligns the
-causal diagonal top-left (torch SDPA) or bottom-right (cute-flash, FlashAttention >= 2.1).
+causal diagonal top-left (torch SDPA) or bottom-right (cute-flash, FlashAttention >= 2.1), and so
+is a sliding window's.
 """
 
 from __future__ import annotations
@@ -29,20 +30,58 @@ class Cell:
     causal: bool
     passes: tuple[str, ...] = ("fwd",)
     kind: str = "speed"
+    # flash-attn 2's score modifications: sliding window (left, right; -1 unbounded), softcap (0 off)
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
 
     def key(self) -> dict:
         d = asdict(self)
         d.pop("passes")
+        # a plain cell's key stays as it was before these fields existed
+        if tuple(d["window"]) == (-1, -1):
+            d.pop("window")
+        if d["softcap"] == 0.0:
+            d.pop("softcap")
         return d
+
+    def mods(self) -> dict:
+        """The cell's score modifications as keyword arguments of a method (perf/methods.py)."""
+        mods = {}
+        if tuple(self.window) != (-1, -1):
+            mods["window"] = tuple(self.window)
+        if self.softcap:
+            mods["softcap"] = self.softcap
+        return mods
 
     def label(self) -> str:
         c = " causal" if self.causal else ""
-        return f"B={self.batch} S={self.seqlen_q} H={self.nheads} D={self.headdim}{c}"
+        w = f" window={self.window[0]},{self.window[1]}" if tuple(self.window) != (-1, -1) else ""
+        cap = f" softcap={self.softcap:g}" if self.softcap else ""
+        return f"B={self.batch} S={self.seqlen_q} H={self.nheads} D={self.headdim}{c}{w}{cap}"
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int]) -> int:
+    """(query, key) pairs a row sees under flash-attn 2's bottom-right aligned window (causal sets
+    right = 0): the FLOPs of a windowed cell are counted on this band only."""
+    left, right = window
+    if causal:
+        right = 0
+    total = 0
+    for i in range(seqlen_q):
+        diag = i + seqlen_k - seqlen_q
+        lo = 0 if left < 0 else max(0, diag - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, diag + right)
+        total += max(0, hi - lo + 1)
+    return total
 
 
 def attention_flops(cell: Cell, pass_: str) -> float:
     """Matmul FLOPs: 4*B*H*Sq*Sk*D for the forward (QK^T and PV, 2 FLOPs per MAC),
     halved when causal with Sq == Sk (about half of the score matrix is computed)."""
+    if tuple(cell.window) != (-1, -1):  # the visible band only
+        fwd = 4.0 * cell.batch * cell.nheads * visible_pairs(cell.seqlen_q, cell.seqlen_k, cell.causal,
+                                                             cell.window) * cell.headdim
+        return fwd * PASS_FLOP_FACTOR[pass_]
     fwd = 4.0 * cell.batch * cell.nheads * cell.seqlen_q * cell.seqlen_k * cell.headdim
     if cell.causal and cell.seqlen_q == cell.seqlen_k:
         fwd /= 2
@@ -122,12 +161,31 @@ def fp32_suite() -> Suite:
                  methods=("ours", "standard", "sdpa_math", "sdpa_efficient"), accuracy=True)
 
 
+def mods_suite() -> Suite:
+    """Issue 50's score modifications against the same shapes without them: a 1024-key sliding
+    window at 16k causal (TFLOP/s on the visible band) next to dense causal, and softcap 50 next to
+    no cap at paper shapes (hidden 2048, 16k tokens)."""
+    cells = [
+        Cell(1, 16384, 16384, 16, 16, 128, True, ("fwd", "bwd"), window=(1024, 0)),
+        Cell(1, 16384, 16384, 16, 16, 128, True, ("fwd", "bwd")),
+    ]
+    for headdim in (64, 128):
+        for seqlen in (2048, 8192):
+            for causal in (False, True):
+                for softcap in (50.0, 0.0):
+                    cells.append(Cell(16384 // seqlen, seqlen, seqlen, 2048 // headdim, 2048 // headdim, headdim,
+                                      causal, ("fwd", "bwd"), softcap=softcap))
+    return Suite("mods", "sliding window 1024 at 16k causal vs dense causal; softcap 50 vs none at paper shapes",
+                 "bf16", cells)
+
+
 def decode_suite() -> Suite:
     return Suite("decode", "single-token decode against a KV cache", "bf16",
                  unavailable="not available until the KV-cache API exists")
 
 
-SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "fp32": fp32_suite, "decode": decode_suite}
+SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "fp32": fp32_suite, "mods": mods_suite,
+          "decode": decode_suite}
 
 
 def get_suite(name: str) -> Suite:

@@ -244,7 +244,9 @@ def _sites(frame) -> tuple[tuple[Site, ...], list[tuple[str, int]]]:
                 inner_line = None
                 sites.append(Site(str(Path(path).relative_to(SITE_ROOT)), line, code.co_name))
                 raw.append((path, line))
-                if code.co_name in ("kernel", "__call__"):
+                # the device kernel, or the host code: `__call__`, or the `launch` that a kernel's
+                # entry points share (kernels/sm80: `__call__` and `call_with_mods`)
+                if code.co_name in ("kernel", "__call__", "launch"):
                     break
         frame = frame.f_back
     return tuple(sites), raw

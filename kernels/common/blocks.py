@@ -25,6 +25,27 @@ Causal attention is bottom-right aligned: query i sees key j iff j <= i + seqlen
 
     head_kv = kv_head(head, num_heads, num_heads_kv)
         The K/V head that query head `head` reads (GQA / MQA: consecutive query heads share one).
+
+Sliding windows (flash-attn 2's rule): query i sees key j iff
+i + seqlen_k - seqlen_q - left <= j <= i + seqlen_k - seqlen_q + right, with `left` and `right`
+runtime values (an unbounded side is passed as a bound no row reaches, e.g. seqlen_q + seqlen_k).
+The window methods are straight-line arithmetic on non-negative values, so they also run on
+Python ints (the CPU tests check them against a brute-force mask):
+
+    n_block_min, n_block_max = ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, left, right)
+        Key blocks [n_block_min, n_block_max) hold every key some query of m_block sees; blocks
+        outside are never loaded. n_block_min may reach n_block_max (no key seen).
+
+    n_block_right_mask, n_block_left_mask = ranges.n_block_window_masks(m_block, seqlen_q, seqlen_k, left, right)
+        Key blocks n >= n_block_right_mask cross the window's right edge for some row of m_block,
+        blocks n < n_block_left_mask its left edge; blocks between are fully visible.
+
+    m_block_min, m_block_max = ranges.m_block_min_max_window(n_block, seqlen_q, seqlen_k, left, right)
+        Backward mirror. A query block m is visited by exactly the key blocks
+        n_block_min_max_window(m)[0] <= n < ... (the deterministic dQ order counts from there).
+
+    m_block_right_mask, m_block_left_mask = ranges.m_block_window_masks(n_block, seqlen_q, seqlen_k, left, right)
+        Backward mirror: query blocks m < m_block_right_mask or m >= m_block_left_mask need the mask.
 """
 
 from __future__ import annotations
@@ -81,6 +102,47 @@ class BlockRanges:
         # the last key of the block is seen from query rows >= (n_block+1)*tile_n - 1 - (seqlen_k - seqlen_q)
         m_idx_all_see = (n_block + 1) * self.tile_n - 1 + seqlen_q - seqlen_k
         return cutlass.max(m_block_min, cute.ceil_div(cutlass.max(m_idx_all_see, 0), self.tile_m))
+
+
+    # ---- sliding windows -------------------------------------------------------------------
+    def n_block_min_max_window(self, m_block, seqlen_q, seqlen_k, left, right):
+        offset = seqlen_k - seqlen_q
+        row_first = m_block * self.tile_m
+        row_last = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
+        n_block_max = cutlass.min(cute.ceil_div(seqlen_k, self.tile_n),
+                                  cute.ceil_div(cutlass.max(row_last + offset + right + 1, 0), self.tile_n))
+        n_block_min = cutlass.max(row_first + offset - left, 0) // self.tile_n
+        return n_block_min, n_block_max
+
+    def n_block_window_masks(self, m_block, seqlen_q, seqlen_k, left, right):
+        offset = seqlen_k - seqlen_q
+        row_first = m_block * self.tile_m
+        row_last = cutlass.min((m_block + 1) * self.tile_m, seqlen_q) - 1
+        # the block's last key is visible from its first row: (n + 1) * tile_n - 1 <= row_first + offset + right
+        n_block_right_mask = cutlass.max(row_first + offset + right + 1, 0) // self.tile_n
+        # the block's first key is visible from its last row: n * tile_n >= row_last + offset - left
+        n_block_left_mask = cute.ceil_div(cutlass.max(row_last + offset - left, 0), self.tile_n)
+        return n_block_right_mask, n_block_left_mask
+
+    def m_block_min_max_window(self, n_block, seqlen_q, seqlen_k, left, right):
+        offset = seqlen_k - seqlen_q
+        key_first = n_block * self.tile_n
+        key_last = (n_block + 1) * self.tile_n - 1
+        # rows i >= key_first - offset - right see the block's first key; rows i <= key_last - offset + left its last
+        m_block_min = cutlass.max(key_first - offset - right, 0) // self.tile_m
+        m_block_max = cutlass.min(cute.ceil_div(seqlen_q, self.tile_m),
+                                  cute.ceil_div(cutlass.max(key_last - offset + left + 1, 0), self.tile_m))
+        return m_block_min, m_block_max
+
+    def m_block_window_masks(self, n_block, seqlen_q, seqlen_k, left, right):
+        offset = seqlen_k - seqlen_q
+        key_first = n_block * self.tile_n
+        key_last = (n_block + 1) * self.tile_n - 1
+        # every row of block m sees key_last: m * tile_m >= key_last - offset - right
+        m_block_right_mask = cute.ceil_div(cutlass.max(key_last - offset - right, 0), self.tile_m)
+        # some row of block m is past key_first's reach: (m + 1) * tile_m - 1 > key_first - offset + left
+        m_block_left_mask = cutlass.max(key_first - offset + left + 1, 0) // self.tile_m
+        return m_block_right_mask, m_block_left_mask
 
 
 def kv_head(head, num_heads, num_heads_kv):

@@ -28,6 +28,11 @@ on their own tiles (`_fp32_tiles`).
 
 Deterministic mode orders the dQ accumulation: the CTAs touching one query block add their dQ
 tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
+
+Score modifications (config.window / softcap / alibi) as in the forward (`call_with_mods`): a
+window walks only the query blocks that see the key block and masks only those crossing its edges;
+with softcap the scores are t = tanh(s * scale / softcap) and dS picks up dt/ds's factor
+(1 - t^2), taken from t recomputed with P (the softmax's own scale, softcap, is in dS already).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ from cute_flash.kernels.common.layouts import (
     transpose_view,
 )
 from cute_flash.kernels.common.softmax import LOG2_E
-from cute_flash.kernels.common.mask import apply_mask
+from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
 from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32, tiled_mma_tf32
 from cute_flash.kernels.sm80.config import Sm80BwdConfig
 
@@ -113,6 +118,7 @@ class FlashAttnBwdSm80:
         # is computed: the accumulator the dQ GEMM adds to dK and dV's registers shrinks by the
         # factor, which at d = 256 leaves room for a second Q buffer without spills.
         self.dq_chunks = dq_chunks
+        self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
 
     @staticmethod
     def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
@@ -231,6 +237,36 @@ class FlashAttnBwdSm80:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
+        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+                    None, None, None, None, stream)
+
+    @cute.jit
+    def call_with_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """The entry point of a kernel with score modifications, arguments as the forward's."""
+        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+                    window_left, window_right, softcap, mAlibiSlopes, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale: Float32,
+               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream):
         m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
         atom_qk = smem_layout_atom(self.dtype, d)
         sQ_layout = cute.tile_to_shape(atom_qk, (m, d, self.num_stages_Q), (0, 1, 2))
@@ -259,13 +295,16 @@ class FlashAttnBwdSm80:
         )
 
         grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
+        # P's exponent: at scale softcap with softcap (the forward's parametrization)
+        score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
+                                            window_right, softcap, mAlibiSlopes)
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
-            softmax_scale, softmax_scale * LOG2_E,
+            softmax_scale, score_scale * LOG2_E,
             sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_copy, gmem_store,
             *[tiled_mma_sm80(self.dtype, self.num_threads, atom_m)
               for atom_m in (self.atom_m_sdp, self.atom_n_dkv, self.atom_m_dq)],
-            SharedStorage,
+            SharedStorage, **mods,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -294,6 +333,11 @@ class FlashAttnBwdSm80:
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        window_left: Int32 | None = None,
+        window_right: Int32 | None = None,
+        softcap_pre: Float32 | None = None,
+        mAlibiSlopes: cute.Tensor | None = None,
+        alibi_scale: Float32 | None = None,
     ):
         """Algorithm 2 for one key block j of one (batch, query head): K_j and V_j into smem, then
         for every query block i that sees them P_ij is recomputed, dV_j and dK_j accumulate in
@@ -308,15 +352,26 @@ class FlashAttnBwdSm80:
         # Query blocks that see some key of this key block (Algorithm 2, inner loop bounds); the
         # first few of them straddle the causal diagonal and need the mask.
         ranges = BlockRanges(m, n, self.causal)
-        m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
-        m_block_max_mask = m_block_min
-        if cutlass.const_expr(self.causal):
-            m_block_max_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
+        window = (window_left, window_right) if cutlass.const_expr(self.window) else None
+        m_block_left_mask = None
+        if cutlass.const_expr(self.window):
+            m_block_min, m_block_max = ranges.m_block_min_max_window(n_block, seqlen_q, seqlen_k, *window)
+            # query blocks below the first and from the second cross an edge of the window
+            m_block_max_mask, m_block_left_mask = ranges.m_block_window_masks(n_block, seqlen_q, seqlen_k, *window)
+        else:
+            m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
+            m_block_max_mask = m_block_min
+            if cutlass.const_expr(self.causal):
+                m_block_max_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
+        alibi_slope = None
+        if cutlass.const_expr(self.alibi):
+            alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
         # Where this CTA sits and how far its blocks reach, for the per-block steps and the epilogue.
         cta = SimpleNamespace(
             batch=batch, head=head, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tidx=tidx,
-            m_block_max=m_block_max, m_block_max_mask=m_block_max_mask,
+            m_block_max=m_block_max, m_block_max_mask=m_block_max_mask, m_block_left_mask=m_block_left_mask,
             last_n_block_partial=(n_block + 1) * n > seqlen_k,
+            ranges=ranges, window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
         )
 
         g = self.global_tiles(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, cta, head_kv)
@@ -516,7 +571,7 @@ class FlashAttnBwdSm80:
             gemm_smem(mma.tiled_mma_dq, acc_dQ, mma.tdQrdS, mma.tdQrKt, mma.tdQsdS, mma.tdQsKt[None, None, None, chunk],
                       mma.s2r_dq_A, mma.s2r_dq_B)
             self.accumulate_dQ(acc_dQ, gdQaccum[None, m_block], chunk, mdQsemaphore,
-                               cta.batch, cta.head, m_block, cta.n_block, tidx)
+                               cta.batch, cta.head, m_block, self.dq_turn(cta, m_block), tidx)
 
         # dK_j += dS^T Q_i
         gemm_smem(mma.tiled_mma_dkv, acc_dK, mma.tdKrdSt, mma.tdKrQt, mma.tdKsdSt,
@@ -524,6 +579,16 @@ class FlashAttnBwdSm80:
         if cutlass.const_expr(self.num_stages_Q == 1):
             # Q's only buffer is free once every warp has finished dK.
             self.refill_single_buffer(self.load_Q_LSE, ld, m_block, has_next, seqlen_q, tidx)
+
+    @cute.jit
+    def dq_turn(self, cta, m_block: Int32):
+        """This key block's turn in query block m_block's deterministic dQ order: the key blocks
+        that see m_block are consecutive, from 0 (or, with a window, from the first block inside it)."""
+        turn = cta.n_block
+        if cutlass.const_expr(self.window and self.deterministic):
+            n_block_min, _ = cta.ranges.n_block_min_max_window(m_block, cta.seqlen_q, cta.seqlen_k, *cta.window)
+            turn = cta.n_block - n_block_min
+        return turn
 
     @cute.jit
     def refill_single_buffer(self, load, ld, m_block: Int32, has_next, seqlen_q: Int32, tidx: Int32):
@@ -537,13 +602,27 @@ class FlashAttnBwdSm80:
     @cute.jit
     def compute_P(self, mma, cta, m_block: Int32, stage_q: Int32, scale_log2: Float32):
         """S = Q_i K_j^T, then P = exp(S * scale - LSE) with masked entries at 0; P also goes to
-        smem (16-bit) for the dV GEMM. Returns the fp32 P and its 16-bit copy."""
+        smem (16-bit) for the dV GEMM. Returns the fp32 P and its 16-bit copy.
+
+        With softcap, dS's factor 1 - t^2 must outlive the dP GEMM, where registers are scarcest
+        (a fragment of it spilled 24-64 bytes at d = 128): with p_in_registers the fp32 P that
+        compute_dS takes becomes P * (1 - t^2) (the 16-bit P is in smem already); otherwise the
+        factor waits in dS's smem tile as fp16 (relative error 2^-11, on a [0, 1] value)."""
         m, n = self.m_block_size, self.n_block_size
         acc_S = cute.make_rmem_tensor(mma.acc_shape_SdP, Float32)
         acc_S.fill(0.0)
         gemm_smem(mma.tiled_mma_sdp, acc_S, mma.tSrQ, mma.tSrK, mma.tSsQ[None, None, None, stage_q], mma.tSsK,
                   mma.s2r_sdp_A, mma.s2r_sdp_B)
-        if cta.last_n_block_partial or m_block < cta.m_block_max_mask:
+        if cutlass.const_expr(self.softcap):
+            apply_softcap(acc_S, cta.softcap_pre)
+            dtanh = softcap_grad(acc_S)
+        if cutlass.const_expr(self.alibi):
+            apply_alibi(acc_S, mma.thr_mma_sdp, m, n, m_block, cta.n_block, cta.seqlen_q, cta.seqlen_k, cta.alibi_slope)
+        if cutlass.const_expr(self.window):
+            if cta.last_n_block_partial or m_block < cta.m_block_max_mask or m_block >= cta.m_block_left_mask:
+                apply_mask(acc_S, mma.thr_mma_sdp, m, n, m_block, cta.n_block, cta.seqlen_q, cta.seqlen_k,
+                           mask_seqlen=True, mask_causal=False, branchless=False, window=cta.window)
+        elif cta.last_n_block_partial or m_block < cta.m_block_max_mask:
             apply_mask(acc_S, mma.thr_mma_sdp, m, n, m_block, cta.n_block, cta.seqlen_q, cta.seqlen_k,
                        mask_seqlen=True, mask_causal=self.causal, branchless=False)
         acc_S_mn = reshape_acc_to_mn(acc_S)
@@ -558,6 +637,14 @@ class FlashAttnBwdSm80:
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(rP), mma.tPsP)
+        if cutlass.const_expr(self.softcap):
+            if cutlass.const_expr(self.p_in_registers):
+                acc_S.store(acc_S.load() * dtanh.load())
+            else:
+                stash = cute.make_rmem_tensor_like(acc_S, cutlass.Float16)
+                stash.store(dtanh.load().to(cutlass.Float16))
+                # the previous block's dS has been read: every warp passed the barrier of m_block_step
+                cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(cute.recast_tensor(stash, self.dtype)), mma.tdSsdS)
         return acc_S, rP
 
     @cute.jit
@@ -576,6 +663,10 @@ class FlashAttnBwdSm80:
         else:
             cute.copy(mma.r2s_PdS, mma.tPsP, mma.r2s_PdS.retile(rP))  # this thread's own stores: no barrier
             acc_dP.store(acc_dP.load() * rP.load().to(Float32))
+            if cutlass.const_expr(self.softcap):
+                stash = cute.make_fragment_like(acc_dP, self.dtype)
+                cute.copy(mma.r2s_PdS, mma.tdSsdS, mma.r2s_PdS.retile(stash))  # this thread's own stores
+                acc_dP.store(acc_dP.load() * cute.recast_tensor(stash, cutlass.Float16).load().to(Float32))
         rdS = cute.make_fragment_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(rdS), mma.tdSsdS)
@@ -636,7 +727,7 @@ class FlashAttnBwdSm80:
 
     @cute.jit
     def accumulate_dQ(self, acc_dQ: cute.Tensor, gdQaccum_tile: cute.Tensor, chunk: cutlass.Constexpr[int],
-                      mdQsemaphore: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, n_block: Int32,
+                      mdQsemaphore: cute.Tensor, batch: Int32, head: Int32, m_block: Int32, turn: Int32,
                       tidx: Int32):
         """Adds one column chunk of dQ_i to the workspace, thread-major within the chunk; with
         `deterministic`, key blocks take turns per query block (the first chunk waits for this
@@ -646,9 +737,9 @@ class FlashAttnBwdSm80:
         if cutlass.const_expr(waits_turn or passes_turn):
             lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
         if cutlass.const_expr(waits_turn):
-            # Key blocks that see query block m_block are 0..k: add in n_block order.
+            # The key blocks that see query block m_block add in n_block order (dq_turn).
             if tidx == 0:
-                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
+                while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != turn:
                     pass
             cute.arch.barrier()
         mine = gdQaccum_tile.iterator + dq_accum_offset(chunk, cute.size(acc_dQ), tidx)

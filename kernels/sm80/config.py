@@ -22,6 +22,15 @@ class Sm80FwdConfig:
     tile_n: int = 64  # keys per K/V block
     num_warps: int = 4  # stacked along M
     num_stages: int = 2  # K/V buffers
+    # Score modifications (kernels/common/mask.py), compile-time switches; their values (window
+    # sides, cap, slopes) are runtime arguments of the kernel's `call_with_mods` entry point.
+    window: bool = False  # sliding window; causal is False then (a causal window has right = 0)
+    softcap: bool = False
+    alibi: bool = False
+
+    @property
+    def has_mods(self) -> bool:
+        return self.window or self.softcap or self.alibi
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,13 @@ class Sm80BwdConfig:
     atom_m_dq: int = 4
     p_in_registers: bool = False  # dS from the fp32 P kept in registers, not the 16-bit P in smem
     dq_chunks: int = 1  # dQ computed in this many column chunks of head_dim
+    window: bool = False  # as Sm80FwdConfig
+    softcap: bool = False
+    alibi: bool = False
+
+    @property
+    def has_mods(self) -> bool:
+        return self.window or self.softcap or self.alibi
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ Epilogue: O /= row_sum, stage O through smem (reusing sQ) for 16-byte stores, wr
 fp32 inputs take the same loop with split TF32 products (kernels/common/tf32.py: three m16n8k8
 TF32 mma.sync per product, operands read through the MMA's partitions instead of ldmatrix, P kept
 in fp32 as the A operand of P V) and their own tiles (`_fp32_tiles`).
+
+Score modifications (config.window / softcap / alibi, kernels/common/mask.py) are compiled in only
+where the configuration asks, and their values come at run time through `call_with_mods`
+(`__call__` is the plain kernel's entry). A sliding window loads only the key blocks some row of the
+query tile sees (blocks.py: n_block_min_max_window) and masks only the blocks crossing an edge of
+the window; softcap and ALiBi touch every score.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from ..common.layouts import (
     store_tile_rows,
     transpose_view,
 )
-from ..common.mask import apply_mask
+from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
 from .config import Sm80FwdConfig
@@ -109,6 +115,7 @@ class FlashAttnFwdSm80:
         self.num_warps = num_warps
         self.num_threads = num_warps * 32
         self.num_stages = num_stages
+        self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
 
     @staticmethod
     def smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype=cutlass.BFloat16, **_) -> int:
@@ -166,6 +173,31 @@ class FlashAttnFwdSm80:
         softmax_scale: Float32,
         stream: cuda.CUstream,
     ):
+        self.launch(mQ, mK, mV, mO, mLSE, softmax_scale, None, None, None, None, stream)
+
+    @cute.jit
+    def call_with_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """The entry point of a kernel with score modifications: None for each the configuration
+        leaves out. window_left / window_right: the window's sides, an unbounded side given as a
+        bound no row reaches; softcap > 0; mAlibiSlopes: (1 or batch, nheads) float32."""
+        self.launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, softcap, mAlibiSlopes, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mO, mLSE, softmax_scale: Float32, window_left, window_right, softcap,
+               mAlibiSlopes, stream: cuda.CUstream):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must all have the kernel's dtype")
@@ -201,11 +233,14 @@ class FlashAttnFwdSm80:
 
         num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
         grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
-        softmax_scale_log2 = softmax_scale * LOG2_E
+        # with softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
+        score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
+                                            window_right, softcap, mAlibiSlopes)
+        softmax_scale_log2 = score_scale * LOG2_E
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma,
-            SharedStorage,
+            SharedStorage, **mods,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -231,6 +266,11 @@ class FlashAttnFwdSm80:
         gmem_tiled_copy_O: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        window_left: Int32 | None = None,
+        window_right: Int32 | None = None,
+        softcap_pre: Float32 | None = None,
+        mAlibiSlopes: cute.Tensor | None = None,
+        alibi_scale: Float32 | None = None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -242,7 +282,17 @@ class FlashAttnFwdSm80:
         head_kv = kv_head(head, mQ.shape[2], mK.shape[2])
 
         ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
-        n_block_min, n_block_max = ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        window = (window_left, window_right) if cutlass.const_expr(self.window) else None
+        if cutlass.const_expr(self.window):
+            n_block_min, n_block_max = ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
+            # no key seen: one fully masked iteration on a block that exists, as below
+            n_block_min = cutlass.min(n_block_min, cutlass.max(n_block_max - 1, 0))
+        else:
+            n_block_min, n_block_max = ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        alibi_slope = None
+        if cutlass.const_expr(self.alibi):
+            # (nheads,) slopes arrive as one row shared by the batch
+            alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
         # a block whose rows see no key still runs one (fully masked) iteration: out = 0, lse = -inf
         n_block_first = cutlass.max(n_block_max - 1, n_block_min)
 
@@ -348,27 +398,43 @@ class FlashAttnFwdSm80:
             smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K,
             smem_thr_copy_V=smem_thr_copy_V,
             load_kv=load_kv, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
+            window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
         )
 
         smem_read = Int32(0)
         smem_write = Int32(self.num_stages - 1)
-        step(n_block_first, smem_read, smem_write, True, True, self.causal)
+        step(n_block_first, smem_read, smem_write, True, True, self.causal, self.window)
         smem_read = self._advance(smem_read)
         smem_write = self._advance(smem_write)
         n_block_unmasked_end = n_block_first
+        n_block_masked_end = n_block_min
+        if cutlass.const_expr(self.window):
+            # blocks crossing the right edge, then fully visible ones, then those crossing the left edge
+            n_block_right_mask, n_block_left_mask = ranges.n_block_window_masks(m_block, seqlen_q, seqlen_k, *window)
+            n_block_unmasked_end = cutlass.max(cutlass.min(n_block_right_mask, n_block_first), n_block_min)
+            n_block_masked_end = cutlass.max(cutlass.min(n_block_left_mask, n_block_unmasked_end), n_block_min)
+            for i in cutlass.range(n_block_first - n_block_unmasked_end, unroll=1):
+                step(n_block_first - 1 - i, smem_read, smem_write, False, False, False, True)
+                smem_read = self._advance(smem_read)
+                smem_write = self._advance(smem_write)
         if cutlass.const_expr(self.causal):
             n_block_unmasked_end = cutlass.min(
                 n_block_first,
                 ranges.n_block_min_causal_mask(m_block, seqlen_q, seqlen_k, n_block_min),
             )
             for i in cutlass.range(n_block_first - n_block_unmasked_end, unroll=1):
-                step(n_block_first - 1 - i, smem_read, smem_write, False, False, True)
+                step(n_block_first - 1 - i, smem_read, smem_write, False, False, True, False)
                 smem_read = self._advance(smem_read)
                 smem_write = self._advance(smem_write)
-        for i in cutlass.range(n_block_unmasked_end - n_block_min, unroll=1):
-            step(n_block_unmasked_end - 1 - i, smem_read, smem_write, False, False, False)
+        for i in cutlass.range(n_block_unmasked_end - n_block_masked_end, unroll=1):
+            step(n_block_unmasked_end - 1 - i, smem_read, smem_write, False, False, False, False)
             smem_read = self._advance(smem_read)
             smem_write = self._advance(smem_write)
+        if cutlass.const_expr(self.window):
+            for i in cutlass.range(n_block_masked_end - n_block_min, unroll=1):
+                step(n_block_masked_end - 1 - i, smem_read, smem_write, False, False, False, True)
+                smem_read = self._advance(smem_read)
+                smem_write = self._advance(smem_write)
 
         # ---- epilogue ----
         row_scale = softmax.finalize()
@@ -380,10 +446,11 @@ class FlashAttnFwdSm80:
     def _step(
         self, n_block, smem_read, smem_write,
         is_first: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr, mask_causal: cutlass.Constexpr,
+        mask_window: cutlass.Constexpr,
         n_block_min, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, softmax, acc_O,
         tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
         smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
-        load_kv, tKgK, tKsK, tVgV, tVsV,
+        load_kv, tKgK, tKsK, tVgV, tVsV, window, softcap_pre, alibi_slope,
     ):
         stages = self.num_stages
 
@@ -422,11 +489,18 @@ class FlashAttnFwdSm80:
                 load_kv(tKgK, tKsK, n_block - 1, 0, False)
             cute.arch.cp_async_commit_group()
 
-        if cutlass.const_expr(mask_seqlen or mask_causal):
+        # flash-attn 2's order: cap, bias, then mask (tanh(-inf) would be -1)
+        if cutlass.const_expr(self.softcap):
+            apply_softcap(acc_S, softcap_pre)
+        if cutlass.const_expr(self.alibi):
+            apply_alibi(acc_S, thr_mma, self.tile_m, self.tile_n, m_block, n_block, seqlen_q, seqlen_k, alibi_slope)
+        if cutlass.const_expr(mask_seqlen or mask_causal or mask_window):
             apply_mask(acc_S, thr_mma, self.tile_m, self.tile_n, m_block, n_block,
-                       seqlen_q, seqlen_k, mask_seqlen, mask_causal)
+                       seqlen_q, seqlen_k, mask_seqlen, mask_causal,
+                       window=window if cutlass.const_expr(mask_window) else None)
+        # a window can leave a row without keys in any block
         row_scale = softmax.online_softmax(acc_S, is_first=is_first,
-                                           check_inf=mask_seqlen or mask_causal or self.causal)
+                                           check_inf=mask_seqlen or mask_causal or self.causal or self.window)
         if cutlass.const_expr(not is_first):
             softmax.rescale_O_if_needed(acc_O, row_scale)
         if cutlass.const_expr(self.fp32):

@@ -1,7 +1,7 @@
 """Float64 stand-ins for the kernels (`cute_flash.api.forward` and `backward`), so everything built
 on them (autograd, the flash-attn interface, SDPA and transformers routing) runs on the CPU. They
 honour the same keyword arguments (`out`, `lse`, `dq`, `dk`, `dv`, `softmax_scale`, `causal`,
-`deterministic`) and record every call."""
+`deterministic`, `window_size`, `softcap`, `alibi_slopes`) and record every call."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import math
 import torch
 
 from cute_flash import reference_attention
-from cute_flash.reference import causal_allowed
+from cute_flash.reference import alibi_bias, visible_keys
+
+
+def _mods(window_size, softcap, alibi_slopes) -> dict:
+    """The score modifications of a call, for its record: none when the call has none."""
+    if tuple(window_size) == (-1, -1) and softcap == 0.0 and alibi_slopes is None:
+        return {}
+    return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes}
 
 
 class ReferenceKernels:
@@ -18,10 +25,13 @@ class ReferenceKernels:
         self.forward_calls: list[dict] = []
         self.backward_calls: list[dict] = []
 
-    def forward(self, q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False):
-        self.forward_calls.append({"q": q, "k": k, "v": v, "softmax_scale": softmax_scale, "causal": causal})
+    def forward(self, q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, window_size=(-1, -1),
+                softcap=0.0, alibi_slopes=None):
+        self.forward_calls.append({"q": q, "k": k, "v": v, "softmax_scale": softmax_scale, "causal": causal,
+                                   **_mods(window_size, softcap, alibi_slopes)})
         ref_out, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale,
-                                               causal=causal)
+                                               causal=causal, window_size=window_size, softcap=softcap,
+                                               alibi_slopes=alibi_slopes)
         result_out, result_lse = ref_out.to(q.dtype), ref_lse.float()
         if out is not None:
             out.copy_(result_out)
@@ -32,24 +42,30 @@ class ReferenceKernels:
         return result_out, result_lse
 
     def backward(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
-                 deterministic=False):
+                 deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
         """FlashAttention-2's backward equations in float64 (the kernels run below autograd, so the
         stand-in cannot differentiate the reference itself). Like the kernels, it takes P from the
         given `lse` (P = exp(scale * S - lse)) and D = rowsum(dO * O) from the given `out`, never from
         a softmax of its own: a caller that passes the out and lse of a larger attention (ring
         attention passes the merged ones of the whole sequence) gets that attention's gradients."""
-        self.backward_calls.append({"softmax_scale": softmax_scale, "causal": causal, "deterministic": deterministic})
+        self.backward_calls.append({"softmax_scale": softmax_scale, "causal": causal, "deterministic": deterministic,
+                                    **_mods(window_size, softcap, alibi_slopes)})
         scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         group = q.shape[2] // k.shape[2]
         qh, doh, oh = (t.double().transpose(1, 2) for t in (q, dout, out))
         kh, vh = (t.double().transpose(1, 2).repeat_interleave(group, dim=1) for t in (k, v))
         scores = qh @ kh.transpose(-1, -2) * scale
-        if causal:
-            scores = scores.masked_fill(~causal_allowed(q.shape[1], k.shape[1]), float("-inf"))
+        capped = torch.ones_like(scores)  # d(capped score) / d(scaled score)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+            capped = 1 - (scores / softcap) ** 2
+        if alibi_slopes is not None:
+            scores = scores + alibi_bias(alibi_slopes.reshape(-1, q.shape[2]), q.shape[1], k.shape[1])
+        scores = scores.masked_fill(~visible_keys(q.shape[1], k.shape[1], causal, window_size), float("-inf"))
         # A row that sees no key has lse = -inf: exp(-inf - (-inf)) is nan there, and its P is 0.
         probs = torch.exp(scores - lse.double().unsqueeze(-1)).nan_to_num(0.0)
         dp = doh @ vh.transpose(-1, -2)
-        ds = probs * (dp - (doh * oh).sum(-1, keepdim=True))
+        ds = probs * (dp - (doh * oh).sum(-1, keepdim=True)) * capped
         grads = [(ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale, probs.transpose(-1, -2) @ doh]
 
         def per_kv_head(t):

@@ -72,12 +72,6 @@ def test_flash_attn_positional_call_is_dropout_then_scale(kernels):
 
 UNSUPPORTED = [
     ({"dropout_p": 0.1}, "dropout_p=0.0"),
-    ({"window_size": (4, 0)}, "window_size=(-1, -1)"),
-    ({"window_size": (-1, 0)}, "window_size=(-1, -1)"),
-    ({"window_size": [8, 8]}, "window_size=(-1, -1)"),
-    ({"softcap": 30.0}, "softcap=0.0"),
-    ({"softcap": -1.0}, "softcap=0.0"),
-    ({"alibi_slopes": torch.zeros(4)}, "alibi_slopes=None"),
 ]
 
 
@@ -93,6 +87,38 @@ def test_unsupported_arguments_are_rejected_before_any_kernel(kernels, kwargs, s
         msg = expect(ErrorCode.INVALID_DIMENSION, cute_flash.UnsupportedArgumentError, call)
         assert supported in msg
     assert kernels.forward_calls == [] and kernels.backward_calls == []
+
+
+SCORE_MODS = [
+    {"window_size": (4, 0)},
+    {"window_size": (-1, 2), "causal": True},
+    {"window_size": [3, 5]},
+    {"softcap": 1.5},
+    {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+    {"alibi_slopes": torch.rand(2, 4), "window_size": (2, 1), "softcap": 2.0, "causal": True},
+]
+
+
+@pytest.mark.parametrize("kwargs", SCORE_MODS, ids=lambda x: str(sorted(x)))
+def test_score_mods_reach_the_kernels_forward_and_backward(kernels, kwargs):
+    """window_size, softcap and alibi_slopes travel through autograd to both passes, and the
+    gradients equal float64 autograd through the reference with the same arguments."""
+    q, k, v = qkv(grad=True)
+    out = flash_attn_func(q, k, v, **kwargs)
+    ref_kwargs = dict(kwargs, window_size=tuple(kwargs.get("window_size", (-1, -1))))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, _ = reference_attention(q64, k64, v64, **ref_kwargs)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    expected = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    for got, want in zip((q.grad, k.grad, v.grad), expected):
+        torch.testing.assert_close(got, want.float(), rtol=1e-4, atol=1e-5)
+    (fwd,), (bwd,) = kernels.forward_calls, kernels.backward_calls
+    for call in (fwd, bwd):
+        assert tuple(call["window_size"]) == ref_kwargs["window_size"] and call["softcap"] == kwargs.get("softcap", 0.0)
+        assert (call["alibi_slopes"] is None) == ("alibi_slopes" not in kwargs)
+    assert call["alibi_slopes"] is None or torch.equal(call["alibi_slopes"].reshape(-1), kwargs["alibi_slopes"].reshape(-1))
 
 
 def test_old_positional_order_is_rejected_not_misread(kernels):
@@ -121,7 +147,14 @@ BAD_VALUES = [
     ({"causal": 2}, "causal"),
     ({"window_size": True}, "window_size"),
     ({"window_size": (-1,)}, "window_size"),
+    ({"window_size": (-2, 0)}, "window_size"),
+    ({"window_size": (0, -5)}, "window_size"),
+    ({"window_size": (1.5, 0)}, "window_size"),
+    ({"window_size": (True, 0)}, "window_size"),
     ({"softcap": None}, "softcap"),
+    ({"softcap": -1.0}, "softcap"),
+    ({"softcap": math.inf}, "softcap"),
+    ({"softcap": math.nan}, "softcap"),
     ({"deterministic": None}, "deterministic"),
     ({"return_attn_probs": "no"}, "return_attn_probs"),
 ]
@@ -284,3 +317,22 @@ def test_framework_neutral_api_rejects_non_boolean_flags(monkeypatch, kwargs):
         expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, cute_flash.forward, q, k, v, **kwargs)
     expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, cute_flash.backward, q, q, k, v, q, lse,
            **kwargs)
+
+
+BAD_SLOPES = [
+    (torch.zeros(4, dtype=torch.float64), cute_flash.UnsupportedDtypeError, "float32"),
+    (torch.zeros(3), cute_flash.DimensionMismatchError, "alibi_slopes"),
+    (torch.zeros(1, 4), cute_flash.DimensionMismatchError, "alibi_slopes"),
+    (torch.zeros(2, 4, 1), cute_flash.DimensionMismatchError, "alibi_slopes"),
+    ([0.5] * 4, cute_flash.MissingTensorError, "alibi_slopes"),
+]
+
+
+@pytest.mark.parametrize("slopes, error, words", BAD_SLOPES, ids=lambda x: str(getattr(x, "shape", x)))
+def test_bad_alibi_slopes_raise_typed_errors_before_any_kernel(kernels, slopes, error, words):
+    q, k, v = qkv(grad=True)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            with pytest.raises(error, match=words):
+                flash_attn_func(q, k, v, alibi_slopes=slopes)
+    assert kernels.forward_calls == []

@@ -169,12 +169,24 @@ def test_inputs_without_a_kernel_run_sdpa(monkeypatch):
     assert calls.forward_calls == []
 
 
-@pytest.mark.parametrize("option", [{"softcap": 50.0}, {"s_aux": torch.zeros(4)}], ids=["softcap", "sinks"])
-def test_unsupported_options_raise(kernels, option):
+def test_sinks_raise(kernels):
     q, k, v = bhsd()
-    with pytest.raises(cute_flash.UnsupportedArgumentError, match=next(iter(option))):
-        hf.attention_forward(MODULE, q, k, v, None, scaling=0.3, **option)
+    with pytest.raises(cute_flash.UnsupportedArgumentError, match="s_aux"):
+        hf.attention_forward(MODULE, q, k, v, None, scaling=0.3, s_aux=torch.zeros(4))
     assert kernels.forward_calls == []
+
+
+def test_softcap_runs_in_the_kernels_and_never_falls_back(kernels):
+    """Gemma 2's softcap reaches the kernels; a call that would need "sdpa" (no softcap) raises."""
+    q, k, v = bhsd(sq=6, sk=6)
+    out, _ = hf.attention_forward(MODULE, q, k, v, None, scaling=0.3, softcap=2.0)
+    ref, _ = cute_flash.reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            softmax_scale=0.3, causal=True, softcap=2.0)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    assert kernels.forward_calls[-1]["softcap"] == 2.0
+    with pytest.raises(cute_flash.UnsupportedArgumentError, match="softcap"):
+        hf.attention_forward(MODULE, q, k, v, torch.ones(2, 1, 6, 6, dtype=torch.bool), scaling=0.3, softcap=2.0)
+    assert len(kernels.forward_calls) == 1
 
 
 def test_registration_names():

@@ -347,7 +347,8 @@ def test_standard_attention_causal_is_bottom_right_aligned():
 
 def test_method_registry_lists_every_method_and_why_unavailable():
     methods = {m.name: m for m in discover_methods()}
-    assert set(methods) == {"ours", "ours_sm80", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4"}
+    assert set(methods) == {"ours", "ours_sm80", "standard", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn", "fa4",
+                            "flex"}
     for m in methods.values():
         assert m.available or m.note.startswith("unavailable")
     with pytest.raises(ValueError):
@@ -539,3 +540,26 @@ def test_fp32_suite_and_errors_vs_float64_on_cpu():
     rows = bench.measure_cell(cell, "unit", "fp32", methods, harness.WallClock(), 50 * 2**20,
                               bench.Progress(2, stream=io.StringIO()), target_s=0.0, device="cpu")
     assert all("max_error" not in r for r in rows)
+
+
+def test_mods_suite_counts_flops_on_the_visible_band():
+    """The sliding-window cell's FLOPs are those of the band it computes; plain cells keep their
+    keys and FLOPs; methods without score modifications record "unsupported"."""
+    from cute_flash.perf import harness
+    from cute_flash.perf.methods import plain_only, standard_attention
+
+    suite = get_suite("mods")
+    window = next(c for c in suite.cells if tuple(c.window) != (-1, -1))
+    assert window.causal and window.window == (1024, 0) and window.seqlen_q == 16384
+    band = sum(min(i, 1024) + 1 for i in range(16384))
+    assert attention_flops(window, "fwd") == 4.0 * window.nheads * band * window.headdim
+    assert attention_flops(window, "bwd") == 2.5 * attention_flops(window, "fwd")
+    dense = Cell(1, 16384, 16384, 16, 16, 128, True, ("fwd", "bwd"))
+    assert dense in suite.cells and "window" not in dense.key() and "softcap" not in dense.key()
+    capped = [c for c in suite.cells if c.softcap]
+    assert capped and all(c.mods() == {"softcap": 50.0} for c in capped)
+    assert all(c.key() | {"softcap": 50.0} == c.key() for c in capped)
+    q = torch.randn(1, 3, 1, 8)
+    with pytest.raises(NotImplementedError) as info:
+        plain_only(standard_attention)(q, q, q, False, 1.0, softcap=50.0)
+    assert harness.classify_error(info.value).startswith("unsupported")

@@ -20,7 +20,7 @@ import torch
 
 import cute_flash
 from cute_flash import reference_attention
-from cute_flash.reference import causal_allowed
+from cute_flash.reference import alibi_bias, visible_keys
 
 MAX_FACTOR = 3.0
 """Kernel vs emulation, worst row-relative error. A correct kernel differs from the emulation only
@@ -88,12 +88,24 @@ def _fp32_matmul(a, b):
     return torch.matmul(a.double(), b.double()).float()
 
 
-def _scores(qh, kh, scale, causal):
-    """fp32 scaled scores (B, sq, sk) of one head, masked with -inf."""
+def _scores(qh, kh, scale, causal, mods=None, h=0):
+    """fp32 scaled scores (B, sq, sk) of query head h, masked with -inf, and d(score)/d(scaled
+    q.k) (1 without softcap). `mods`: flash-attn 2's window_size, softcap, alibi_slopes (as the
+    reference takes them), applied in fp32 as a kernel does."""
+    mods = mods or {}
     s = _fp32_matmul(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        s = s.masked_fill(~causal_allowed(qh.shape[1], kh.shape[1], qh.device), float("-inf"))
-    return s
+    capped = None
+    if mods.get("softcap"):
+        cap = mods["softcap"]
+        t = torch.tanh(s / cap)
+        s, capped = cap * t, 1 - t * t
+    slopes = mods.get("alibi_slopes")
+    if slopes is not None:
+        s = s + alibi_bias(slopes.reshape(-1, slopes.shape[-1])[:, h:h + 1], qh.shape[1], kh.shape[1])[:, 0].float()
+    window = tuple(mods.get("window_size", (-1, -1)))
+    if causal or window != (-1, -1):
+        s = s.masked_fill(~visible_keys(qh.shape[1], kh.shape[1], causal, window, qh.device), float("-inf"))
+    return s, capped
 
 
 def _heads(q, k):
@@ -102,7 +114,7 @@ def _heads(q, k):
     return [(h, h // group) for h in range(q.shape[2])]
 
 
-def emulate_forward(q, k, v, softmax_scale, causal):
+def emulate_forward(q, k, v, softmax_scale, causal, **mods):
     """(out, lse) as a flash forward computes them: fp32 scores from the 16-bit inputs, fp32
     softmax, P (relative to the row max) rounded to the input dtype for P·V, fp32 accumulation,
     O divided by the fp32 row sum and rounded once. One head at a time to bound memory."""
@@ -110,7 +122,7 @@ def emulate_forward(q, k, v, softmax_scale, causal):
     out = torch.empty_like(q)
     lse = torch.empty(batch, nheads, seqlen_q, device=q.device)
     for h, hk in _heads(q, k):
-        s = _scores(q[:, :, h], k[:, :, hk], softmax_scale, causal)
+        s, _ = _scores(q[:, :, h], k[:, :, hk], softmax_scale, causal, mods, h)
         row_max = s.amax(-1, keepdim=True)
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         p = torch.exp(s - row_max)
@@ -122,7 +134,7 @@ def emulate_forward(q, k, v, softmax_scale, causal):
     return out, lse
 
 
-def emulate_backward(dout, q, k, v, out, lse, softmax_scale, causal):
+def emulate_backward(dout, q, k, v, out, lse, softmax_scale, causal, **mods):
     """(dq, dk, dv) as a flash backward computes them: fp32 dP = dO V^T, P recomputed in fp32
     from the scores and LSE, D = rowsum(dO * O) and dS = P * (dP - D) in fp32; dV from P and
     dQ, dK from dS rounded to the input dtype, fp32 accumulation (grouped query heads summed in
@@ -132,21 +144,23 @@ def emulate_backward(dout, q, k, v, out, lse, softmax_scale, causal):
     dv32 = torch.zeros(v.shape, device=v.device)
     delta = (dout.float() * out.float()).sum(-1)  # (B, sq, H)
     for h, hk in _heads(q, k):
-        s = _scores(q[:, :, h], k[:, :, hk], softmax_scale, causal)
+        s, capped = _scores(q[:, :, h], k[:, :, hk], softmax_scale, causal, mods, h)
         row_lse = lse[:, h, :, None]
         p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, 0.0))
         dp = _fp32_matmul(dout[:, :, h], v[:, :, hk].transpose(-1, -2))
         ds = p * (dp - delta[:, :, h, None])
+        if capped is not None:
+            ds = ds * capped
         dv32[:, :, hk] += _fp32_matmul(p.to(q.dtype).transpose(-1, -2), dout[:, :, h])
         dk32[:, :, hk] += _fp32_matmul(ds.to(q.dtype).transpose(-1, -2), q[:, :, h]) * softmax_scale
         dq[:, :, h] = (_fp32_matmul(ds.to(q.dtype), k[:, :, hk]) * softmax_scale).to(q.dtype)
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
 
 
-def reference_grads(dout, q, k, v, softmax_scale, causal):
+def reference_grads(dout, q, k, v, softmax_scale, causal, **mods):
     """Gradients in float64, by autograd through the float64 reference."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64, _ = reference_attention(q64, k64, v64, softmax_scale=softmax_scale, causal=causal)
+    out64, _ = reference_attention(q64, k64, v64, softmax_scale=softmax_scale, causal=causal, **mods)
     return torch.autograd.grad(out64, (q64, k64, v64), dout.double())
 
 
@@ -227,11 +241,12 @@ def _abs_score_bound(q, k):
                         for h, hk in _heads(q, k)], dim=1)
 
 
-def assert_forward_accurate(out, lse, q, k, v, causal, softmax_scale=None):
-    """`out` and `lse` of a forward on q, k, v against the float64 reference, within the yardstick."""
+def assert_forward_accurate(out, lse, q, k, v, causal, softmax_scale=None, **mods):
+    """`out` and `lse` of a forward on q, k, v against the float64 reference, within the yardstick.
+    `mods`: window_size, softcap, alibi_slopes, as the reference takes them."""
     scale = default_scale(q.shape[-1], softmax_scale)
-    ref_out, ref_lse = reference_attention(q, k, v, softmax_scale=scale, causal=causal)
-    emulated_out, _ = emulate_forward(q, k, v, scale, causal)
+    ref_out, ref_lse = reference_attention(q, k, v, softmax_scale=scale, causal=causal, **mods)
+    emulated_out, _ = emulate_forward(q, k, v, scale, causal, **mods)
     verdict = assert_within_yardstick("out", out, emulated_out, ref_out, FORWARD_FLOOR)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "lse must be -inf exactly where a row sees no key"
@@ -245,13 +260,13 @@ def assert_forward_accurate(out, lse, q, k, v, causal, softmax_scale=None):
     return verdict
 
 
-def assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=None):
+def assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=None, **mods):
     """(dq, dk, dv) for dout against float64 autograd through the reference, within the yardstick
     (the emulation takes its own forward's rounded O and fp32 LSE, as a flash backward takes its forward's)."""
     scale = default_scale(q.shape[-1], softmax_scale)
-    exact = reference_grads(dout, q, k, v, scale, causal)
-    out, lse = emulate_forward(q, k, v, scale, causal)
-    emulated = emulate_backward(dout, q, k, v, out, lse, scale, causal)
+    exact = reference_grads(dout, q, k, v, scale, causal, **mods)
+    out, lse = emulate_forward(q, k, v, scale, causal, **mods)
+    emulated = emulate_backward(dout, q, k, v, out, lse, scale, causal, **mods)
     return [assert_within_yardstick(name, got, emu, ref, BACKWARD_FLOOR)
             for name, got, emu, ref in zip(("dq", "dk", "dv"), grads, emulated, exact)]
 
