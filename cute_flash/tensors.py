@@ -70,3 +70,13 @@ def fake_dq_accum() -> cute.Tensor:
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32())
     stride = (cute.sym_int64(divisibility=4), cute.sym_int64(divisibility=4), 1)
     return make_fake_tensor(cutlass.Float32, shape, stride, assumed_align=16)
+
+
+def fake_int32_vector() -> cute.Tensor:
+    """(batch,) int32 per-sequence values: the decode kernel's key counts and cache entries."""
+    return make_fake_tensor(cutlass.Int32, (_sym_extent(),), (1,), assumed_align=4)
+
+
+def fake_block_table() -> cute.Tensor:
+    """(batch, max_pages) int32 page indices of a paged KV cache."""
+    return make_fake_tensor(cutlass.Int32, (_sym_extent(), _sym_extent()), (cute.sym_int64(), 1), assumed_align=4)
