@@ -10,8 +10,8 @@ each cache byte once and to spread the reading over every SM:
 * Split-KV. Grid (packed row blocks, splits, batch * kv_heads): split s takes an equal share of
   the sequence's key blocks. With one split the CTA writes O and LSE; with more it writes its
   normalized fp32 O and its LSE to a workspace that kernels/sm80/decode_combine.py merges.
-* Per-sequence lengths. mSeqlensK (batch,) int32 holds every sequence's key count on the
-  device: no host synchronization, CUDA graphs replay with new lengths.
+* Per-sequence lengths. Sequence b has mCacheSeqlens[b] + seqlen_new keys, read on the device:
+  no host synchronization, and CUDA graphs replay with new lengths.
 * Paged or contiguous cache. Every K/V row is gathered on its own: key j of sequence b is row
   j % page_size of page block_table[b, j // page_size] (paged, any page size multiple of 16,
   smaller or larger than the key tile), or row j of cache entry batch_idx[b] (contiguous).
@@ -90,9 +90,10 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
         mOpart: cute.Tensor,  # (splits * batch, seqlen_q, nheads, hd) float32, with more than one split
         mLSEpart: cute.Tensor,  # (splits * batch, nheads, seqlen_q) float32
-        mSeqlensK: cute.Tensor,  # (batch,) int32: keys of each sequence
+        mCacheSeqlens: cute.Tensor,  # (batch,) int32: keys of each sequence before the new ones
         mBatchIdx: cute.Tensor,  # (batch,) int32: cache entry of each sequence (contiguous cache)
         mBlockTable: cute.Tensor,  # (batch, max_pages) int32 (paged cache)
+        seqlen_new: Int32,  # keys appended to every sequence by this call (already in the cache)
         softmax_scale: Float32,
         num_splits: Int32,
         stream: cuda.CUstream,
@@ -124,8 +125,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         packed_rows = mQ.shape[1] * (mQ.shape[2] // mK.shape[2])
         grid = (cute.ceil_div(packed_rows, self.tile_m), num_splits, mQ.shape[0] * mK.shape[2])
         self.kernel(
-            mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mSeqlensK, mBatchIdx, mBlockTable,
-            softmax_scale * LOG2_E, num_splits,
+            mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable,
+            seqlen_new, softmax_scale * LOG2_E, num_splits,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, SharedStorage,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
@@ -142,9 +143,10 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         mLSE: cute.Tensor,
         mOpart: cute.Tensor,
         mLSEpart: cute.Tensor,
-        mSeqlensK: cute.Tensor,
+        mCacheSeqlens: cute.Tensor,
         mBatchIdx: cute.Tensor,
         mBlockTable: cute.Tensor,
+        seqlen_new: Int32,
         softmax_scale_log2: Float32,
         num_splits: Int32,
         sQ_layout: cute.ComposedLayout,
@@ -162,7 +164,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         seqlen_q = mQ.shape[1]
         group = mQ.shape[2] // num_heads_kv
         packed_rows = seqlen_q * group
-        seqlen_k = mSeqlensK[batch]
+        seqlen_k = mCacheSeqlens[batch] + seqlen_new
         cache_batch = Int32(0)
         if cutlass.const_expr(self.page_size == 0):
             cache_batch = mBatchIdx[batch]
