@@ -385,7 +385,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                 if taccOcO[0][1] == 0:
                     mLSEpart[piece, head, q_idx] = lse[r]
                 gRow = mOpart[piece, q_idx, head, None]
-                for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                for c in cutlass.range(cute.size(acc_O_mn, mode=[1]), unroll_full=True):
                     col = taccOcO[r, c][1]
                     if cutlass.const_expr(self.check_hdim):
                         if col < self.head_dim:
