@@ -33,9 +33,9 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 
-from ..common.layouts import gmem_tiled_copy, reshape_acc_to_frgA, reshape_acc_to_mn, smem_layout_atom, transpose_view
+from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm80DecodeConfig
 from .fwd import SMEM_CAPACITY, FlashAttnFwdSm80, gemm_sm80
@@ -45,8 +45,9 @@ PAGE_MULTIPLE = 16
 
 
 class FlashDecodeSm80(FlashAttnFwdSm80):
-    """Shares the forward's head-dim predicates, padding and stage ring (`_predicate_hdim`,
-    `_zero_hdim_padding`, `_advance`); everything that addresses global memory is its own."""
+    """Shares the forward's launch setup, head-dim predicates, padding and stage ring (`_setup`,
+    `_predicate_hdim`, `_zero_hdim_padding`, `_advance`); everything that addresses global memory
+    is its own."""
 
     def __init__(self, config: Sm80DecodeConfig):
         self.cfg = config
@@ -101,27 +102,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k_cache, v_cache, out must all have the kernel's dtype")
-        dtype = self.dtype
-        atom = smem_layout_atom(dtype, self.tile_hdim)
-        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2))
+        sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma = self._setup()
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-
-        row_elems = atom.outer.shape[1]
-        gmem_tiled_copy_QKV = gmem_tiled_copy(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, self.num_threads, row_elems
-        )
-        gmem_tiled_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), dtype, self.num_threads, row_elems)
-        tiled_mma = cute.make_tiled_mma(
-            warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
-            (self.num_warps, 1, 1),
-            permutation_mnk=(self.num_warps * 16, 16, 16),
-        )
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
         packed_rows = mQ.shape[1] * (mQ.shape[2] // mK.shape[2])
         grid = (cute.ceil_div(packed_rows, self.tile_m), num_splits, mQ.shape[0] * mK.shape[2])
         self.kernel(
