@@ -35,6 +35,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
+from ..common.blocks import split_block_range
 from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm80DecodeConfig
@@ -157,14 +158,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             cache_batch = mBatchIdx[batch]
 
         # ---- this CTA's key blocks: an equal share of those the tile's rows see ----
-        n_block_max = cute.ceil_div(seqlen_k, self.tile_n)
-        if cutlass.const_expr(self.causal):
-            last_q = cutlass.min(seqlen_q - 1, ((m_block + 1) * self.tile_m - 1) // group)
-            keys_seen = cutlass.max(last_q + 1 + seqlen_k - seqlen_q, 0)
-            n_block_max = cutlass.min(n_block_max, cute.ceil_div(keys_seen, self.tile_n))
-        blocks_per_split = cute.ceil_div(n_block_max, num_splits)
-        n_block_min = cutlass.min(split * blocks_per_split, n_block_max)
-        n_block_end = cutlass.min(n_block_min + blocks_per_split, n_block_max)
+        n_block_min, n_block_end = split_block_range(m_block, split, num_splits, seqlen_q, seqlen_k, group,
+                                                     self.tile_m, self.tile_n, self.causal)
         n_block_first = n_block_end - 1
 
         smem = cutlass.memory.SmemAllocator()

@@ -67,3 +67,34 @@ def test_page_sizes_and_split_heuristic():
     assert dispatch.decode_splits(1, 8, 1, 1024, 64, 132) == 4  # 16 blocks, at least 4 per split
     assert dispatch.decode_splits(1, 1, 1, 64, 64, 132) == 1
     assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 128
+
+
+def test_split_block_ranges_match_brute_force():
+    # The decode kernel's split ranges are plain integer arithmetic: run them on Python ints and
+    # compare with the keys every packed row (q_idx * group + h) of a tile sees.
+    from cute_flash.kernels.common.blocks import split_block_range
+
+    tile_m, tile_n = 64, 64
+    for causal in (False, True):
+        for seqlen_q, seqlen_k, group in [(1, 1, 4), (1, 1000, 4), (4, 130, 8), (16, 64, 4), (200, 1201, 4),
+                                          (200, 150, 1), (3, 1, 4), (3, 0, 2), (8, 4096, 8)]:
+            rows = seqlen_q * group
+            for m_block in range(-(-rows // tile_m)):
+                seen = set()
+                for r in range(m_block * tile_m, min((m_block + 1) * tile_m, rows)):
+                    q_idx = r // group
+                    last = seqlen_k - 1 if not causal else min(seqlen_k - 1, q_idx + seqlen_k - seqlen_q)
+                    seen |= {j // tile_n for j in range(last + 1)}
+                for num_splits in (1, 2, 3, 7, 64):
+                    ranges = [tuple(int(x) for x in split_block_range(
+                        m_block, s, num_splits, seqlen_q, seqlen_k, group, tile_m, tile_n, causal))
+                        for s in range(num_splits)]
+                    covered = [n for lo, hi in ranges for n in range(lo, hi)]
+                    assert sorted(covered) == sorted(set(covered)), "splits overlap"
+                    # every block some row sees, and nothing past the last of them (blocks below it
+                    # are all seen: causal rows see a prefix of the keys)
+                    assert set(covered) == set(range(max(seen) + 1 if seen else 0))
+                    assert set(covered) == seen
+                    # equal runs, the last one possibly shorter
+                    sizes = [hi - lo for lo, hi in ranges if hi > lo]
+                    assert all(x == sizes[0] for x in sizes[:-1]) and (not sizes or sizes[-1] <= sizes[0])
