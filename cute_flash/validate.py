@@ -291,6 +291,9 @@ MAX_SPLITS = 128
 PAGE_MULTIPLE = 16
 """Paged caches: the page (block) size must be a positive multiple of this."""
 
+MAX_GRID_Z = 65535
+"""The decode kernel's grid holds batch * nheads_kv in its z dimension."""
+
 
 class KVCacheProblem(NamedTuple):
     """The sizes of one flash_attn_with_kvcache call, read off validated inputs."""
@@ -421,6 +424,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
         raise InvalidDimensionError(
             f"cache_seqlens={cache_seqlens} with {seqlen_new} appended keys does not fit a cache of "
             f"{capacity} keys per sequence")
+    if batch * nheads_kv > MAX_GRID_Z:
+        raise InvalidDimensionError(
+            f"batch * nheads_kv = {batch * nheads_kv} exceeds {MAX_GRID_Z}, the decode kernel's grid limit; "
+            "split the batch")
     problem = KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, page_size, capacity,
                              entries, q.dtype)
     return problem, splits

@@ -75,6 +75,13 @@ def test_cache_shapes_and_dtypes():
     expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc[:1], vc[:1])
 
 
+def test_grid_limit():
+    q = torch.zeros(65536, 1, 2, 8, dtype=torch.bfloat16)
+    kc = torch.zeros(65536, 16, 1, 8, dtype=torch.bfloat16)
+    msg = expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q, kc, kc)
+    assert "grid" in msg
+
+
 def test_new_keys():
     q, kc, vc, k, v = inputs()
     expect(ErrorCode.NULL_POINTER, TypeError, call, q, kc, vc, k=k, cache_seqlens=3)
