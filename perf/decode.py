@@ -14,7 +14,7 @@ length, q length, query:KV heads, head dim, cache layout):
 * peers, contiguous cells only: torch SDPA's cuDNN and flash backends (`enable_gqa`), and
   FlashAttention-4's `flash_attn.cute` when it imports (a hook: `fa4_decode`);
 * copy: a device-to-device copy of COPY_BYTES in the same run, read + write bytes / time, and
-  the bar of issue 57: ours >= 1.0x the best peer, and >= 0.85x the copy at batch >= 8 or cache >= 32k.
+  the bar the kernel is held to: ours >= 1.0x the best peer, and >= 0.85x the copy at batch >= 8 or cache >= 32k.
 
 Writes `decode-<gpu>-<date>.json` and `.md` into --out.
 """
@@ -57,7 +57,7 @@ class DecodeCell:
 
 
 SHAPES = [(1, 131072), (1, 32768), (8, 32768), (64, 8192), (1, 4096), (8, 4096), (8, 131072), (64, 4096),
-          (64, 32768)]  # the points issue 57 measured first
+          (64, 32768)]  # the points the training forward was first measured at
 
 
 def cells(quick: bool, head_dims) -> list[DecodeCell]:
