@@ -18,7 +18,8 @@ from .reference import reference_attention
 __version__ = "0.1.0"
 
 __all__ = [
-    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "forward", "backward",
+    "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_with_kvcache",
+    "forward", "backward",
     "ring_flash_attn_func", "reference_attention", "CuteFlashError", "ErrorCode", "CudaError", "DimensionMismatchError",
     "InvalidDimensionError", "MissingDependencyError", "MissingTensorError", "OutOfMemoryError",
     "UnsupportedArgumentError", "UnsupportedDtypeError", "UnsupportedHeadDimError",
@@ -35,6 +36,10 @@ def __getattr__(name):
         from . import flash_attn_interface
 
         return getattr(flash_attn_interface, name)
+    if name == "flash_attn_with_kvcache":
+        from . import kvcache
+
+        return kvcache.flash_attn_with_kvcache
     if name == "ring_flash_attn_func":
         from . import distributed
 

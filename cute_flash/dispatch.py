@@ -24,7 +24,8 @@ from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError
 from .validate import check_kernel_dtype
 from .tensors import (
-    fake_bshd, fake_dq_accum, fake_rowstat, fake_score_mods, fake_semaphore, fake_stream, fake_tail_split_workspace,
+    fake_block_table, fake_bshd, fake_dq_accum, fake_int32_vector, fake_rowstat, fake_score_mods, fake_semaphore,
+    fake_stream, fake_tail_split_workspace,
 )
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
@@ -237,3 +238,72 @@ def plan_group_sum(capability: tuple[int, int], dtype: torch.dtype, head_dim: in
     args = (fake_bshd(cutlass.Float32, head_dim), fake_bshd(cutlass.Float32, head_dim), fake_bshd(cdtype, head_dim),
             fake_bshd(cdtype, head_dim), fake_stream())
     return Plan(FlashAttnBwdGroupSumSm80, Sm80BwdGroupSumConfig(cdtype, head_dim), args, target_arch_for(capability))
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The kernels of one flash_attn_with_kvcache call: the decode kernel and, when the keys are
+    split across CTAs, the merge of the splits."""
+
+    main: Plan
+    combine: Plan
+
+    @property
+    def tile_m(self) -> int:
+        return self.main.config.tile_m
+
+    @property
+    def tile_n(self) -> int:
+        return self.main.config.tile_n
+
+
+def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
+                page_size: int = 0) -> DecodePlan:
+    """The decode kernels (kernels/sm80/decode.py, decode_combine.py): one family for every GPU
+    from sm_80 on, since decoding is bound by memory bandwidth, which mma.sync and cp.async reach on
+    Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size."""
+    from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
+    from .kernels.sm80.decode import FlashDecodeSm80
+    from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
+
+    cdtype = cutlass_dtype(dtype)
+    arch = target_arch_for(capability)
+    tiles = FlashDecodeSm80.default_tiles(head_dim)
+    if not FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size, **tiles):
+        raise UnsupportedDtypeError(
+            f"no decode kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}, page size {page_size}")
+    fp32_bshd = fake_bshd(cutlass.Float32, head_dim)
+    main_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
+                 fake_bshd(cdtype, head_dim), fake_rowstat(), fp32_bshd, fake_rowstat(), fake_int32_vector(),
+                 fake_int32_vector(), fake_block_table(), cutlass.Int32(0), cutlass.Float32(1.0), cutlass.Int32(1),
+                 fake_stream())
+    combine_args = (fake_bshd(cutlass.Float32, head_dim), fake_rowstat(), fake_bshd(cdtype, head_dim), fake_rowstat(),
+                    cutlass.Int32(2), fake_stream())
+    return DecodePlan(
+        main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles), main_args, arch),
+        combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim), combine_args, arch),
+    )
+
+
+DECODE_CTAS_PER_SM = 2
+"""Decode CTAs resident per SM (80 KB of shared memory each at head dim 128): the split
+heuristic aims at this many CTAs per SM."""
+
+DECODE_MIN_SPLIT_BLOCKS = 4
+"""A split reads at least this many key blocks, so the merge stays small next to the reads."""
+
+
+def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile_n: int, num_sms: int) -> int:
+    """num_splits=0: how many splits along the keys a decode call takes. One CTA per (packed row
+    block, batch, KV head) fills DECODE_CTAS_PER_SM CTAs on every SM when there are that many;
+    below that the keys are split until there are, but never into splits of fewer than
+    DECODE_MIN_SPLIT_BLOCKS key blocks, nor more than validate.MAX_SPLITS splits. `max_keys`
+    is the longest sequence the call may see (host-known: the cache's capacity, or the given length)."""
+    from .validate import MAX_SPLITS
+
+    ctas = batch * nheads_kv * m_blocks
+    target = DECODE_CTAS_PER_SM * num_sms
+    if ctas >= target:
+        return 1
+    blocks = -(-max_keys // tile_n)
+    return max(1, min(-(-target // ctas), blocks // DECODE_MIN_SPLIT_BLOCKS, MAX_SPLITS))

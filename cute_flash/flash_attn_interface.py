@@ -1,6 +1,7 @@
 """flash-attn 2's dense interface: `flash_attn_func` and the packed variants, same names, argument
 order and return conventions, so `from cute_flash.flash_attn_interface import flash_attn_func`
-can stand in for `from flash_attn.flash_attn_interface import flash_attn_func`.
+can stand in for `from flash_attn.flash_attn_interface import flash_attn_func`
+(`flash_attn_with_kvcache` likewise: cute_flash/kvcache.py).
 
 The packed inputs are split into strided views (no copy: the kernels take any strides), and
 autograd gathers the three (or two) gradients into one gradient of the packed tensor.
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from .autograd import attention, flash_attn_func, results
+from .kvcache import flash_attn_with_kvcache
 from .validate import check_flash_attn_options, check_packed, require_torch_tensor
 
-__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"]
+__all__ = ["flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_with_kvcache"]
 
 
 def flash_attn_qkvpacked_func(

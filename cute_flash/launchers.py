@@ -2,6 +2,8 @@
 
     forward_launcher(plan)    -> launch(q, k, v, out, lse, softmax_scale[, *score_mods])
     backward_launcher(plan)   -> launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale[, *score_mods])
+    decode_launcher(plan)     -> launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new,
+                                        batch_idx, block_table, softmax_scale, num_splits)
 
 A plan with score modifications (dispatch: `mods`) takes their runtime values last: window left,
 window right, softcap, ALiBi slopes, None for each the plan leaves out (api._score_mods).
@@ -29,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .dispatch import BackwardPlan, Plan
+from .dispatch import BackwardPlan, DecodePlan, Plan
 from .kernels.common.layouts import round_up
 from .kernels.sm90.config import Sm90FwdConfig
 from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_work
@@ -171,3 +173,46 @@ def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse,
         group = nheads // nheads_kv
         dk.copy_(dk_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))
         dv.copy_(dv_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))
+
+
+_decode_unused: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+
+def _decode_placeholders(device: torch.device, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Tensors for the decode kernel's arguments a call does not use (the split workspace with one
+    split, the batch index of a paged cache, the block table of a contiguous one): never read."""
+    kept = _decode_unused.get((device.index, head_dim))
+    if kept is None:
+        kept = _decode_unused[(device.index, head_dim)] = (
+            torch.empty(1, 1, 1, head_dim, dtype=torch.float32, device=device),
+            torch.empty(1, 1, 1, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(1, 1, dtype=torch.int32, device=device),
+        )
+    return kept
+
+
+def decode_launcher(plan: DecodePlan) -> Callable:
+    """`launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table,
+    softmax_scale, num_splits)` for a decode plan: with more than one split the kernel writes fp32
+    pieces into a workspace from torch's caching allocator and the combine kernel merges them into
+    out and lse. batch_idx / block_table may be None where the cache kind does not use them."""
+    main, combine = plan.main.compiled(), plan.combine.compiled()
+
+    def launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table, softmax_scale,
+               num_splits):
+        o_unused, lse_unused, index_unused, table_unused = _decode_placeholders(q.device, q.shape[3])
+        batch_idx = index_unused if batch_idx is None else batch_idx
+        block_table = table_unused if block_table is None else block_table
+        if num_splits == 1:
+            main(q, k_cache, v_cache, out, lse, o_unused, lse_unused, cache_seqlens, batch_idx, block_table,
+                 seqlen_new, softmax_scale, 1)
+            return
+        batch, seqlen_q, nheads, head_dim = q.shape
+        o_pieces = torch.empty(num_splits * batch, seqlen_q, nheads, head_dim, dtype=torch.float32, device=q.device)
+        lse_pieces = torch.empty(num_splits * batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
+        main(q, k_cache, v_cache, out, lse, o_pieces, lse_pieces, cache_seqlens, batch_idx, block_table,
+             seqlen_new, softmax_scale, num_splits)
+        combine(o_pieces, lse_pieces, out, lse, num_splits)
+
+    return launch

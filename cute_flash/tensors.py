@@ -77,3 +77,13 @@ def fake_score_mods(window: bool, softcap: bool, alibi: bool) -> tuple:
     return ((cutlass.Int32(0),) * 2 if window else (None, None)) + (cutlass.Float32(1.0) if softcap else None, (
         make_fake_tensor(cutlass.Float32, (_sym_extent(),) * 2, (cute.sym_int64(), 1), assumed_align=4) if alibi
         else None))
+
+
+def fake_int32_vector() -> cute.Tensor:
+    """(batch,) int32 per-sequence values: the decode kernel's key counts and cache entries."""
+    return make_fake_tensor(cutlass.Int32, (_sym_extent(),), (1,), assumed_align=4)
+
+
+def fake_block_table() -> cute.Tensor:
+    """(batch, max_pages) int32 page indices of a paged KV cache."""
+    return make_fake_tensor(cutlass.Int32, (_sym_extent(), _sym_extent()), (cute.sym_int64(), 1), assumed_align=4)

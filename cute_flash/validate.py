@@ -339,3 +339,192 @@ def kernel_support_issue(q, k, v, softmax_scale: float | None = None) -> str | N
         if not (math.isfinite(scale) and scale > 0):
             return f"softmax_scale must be finite and positive, got {softmax_scale}"
     return None
+
+
+# ---- flash_attn_with_kvcache -------------------------------------------------------------------
+
+MAX_SPLITS = 128
+"""The most splits along the keys a decode call may ask for (num_splits)."""
+
+PAGE_MULTIPLE = 16
+"""Paged caches: the page (block) size must be a positive multiple of this."""
+
+MAX_GRID_Z = 65535
+"""The decode kernel's grid holds batch * nheads_kv in its z dimension."""
+
+
+class KVCacheProblem(NamedTuple):
+    """The sizes of one flash_attn_with_kvcache call, read off validated inputs."""
+
+    batch: int
+    seqlen_q: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    seqlen_new: int  # keys appended by this call (0 without k, v)
+    page_size: int  # 0: contiguous cache
+    capacity: int  # keys a sequence's cache can hold (max_len, or max_pages * page_size)
+    cache_entries: int  # contiguous: cache batch; paged: number of pages
+    dtype: torch.dtype
+
+
+def _require_int32_tensor(name: str, t, shape: tuple[int, ...], axes: str) -> None:
+    _require_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise UnsupportedDtypeError(f"{name} must be torch.int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise DimensionMismatchError(f"{name} must have shape {shape} {axes}, got {tuple(t.shape)}")
+
+
+def _check_unsupported_kvcache_options(rotary_cos, rotary_sin, cache_leftpad, window_size, softcap,
+                                       alibi_slopes) -> None:
+    if rotary_cos is not None or rotary_sin is not None:
+        raise UnsupportedArgumentError(
+            "rotary_cos / rotary_sin are not supported: flash_attn_with_kvcache applies no rotary embedding; "
+            "rotate q and k before the call and pass rotary_cos=None, rotary_sin=None"
+        )
+    if cache_leftpad is not None:
+        raise UnsupportedArgumentError(
+            "cache_leftpad is not supported: every sequence's cache starts at position 0; pass cache_leftpad=None"
+        )
+    _check_unsupported_options(0.0, window_size, softcap, alibi_slopes)
+
+
+def _check_num_splits(num_splits) -> int:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
+        raise InvalidDimensionError(f"num_splits must be an int, got {type(num_splits).__name__} {num_splits!r}")
+    if not 0 <= num_splits <= MAX_SPLITS:
+        raise InvalidDimensionError(
+            f"num_splits must be 0 (chosen per call) or 1 to {MAX_SPLITS}, got {num_splits}")
+    return int(num_splits)
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                  cache_leftpad, block_table, window_size, softcap, rotary_interleaved, alibi_slopes,
+                  num_splits) -> tuple[KVCacheProblem, int]:
+    """Every rule of flash_attn_with_kvcache that needs no tensor's values (those are
+    `check_kvcache_values`); returns the problem and num_splits."""
+    _check_unsupported_kvcache_options(rotary_cos, rotary_sin, cache_leftpad, window_size, softcap, alibi_slopes)
+    check_flag("rotary_interleaved", rotary_interleaved)
+    splits = _check_num_splits(num_splits)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        require_torch_tensor(name, t)
+    paged = block_table is not None
+    cache_axes = "(num_blocks, block_size, nheads_kv, headdim)" if paged else "(batch_cache, max_seqlen, nheads_kv, headdim)"
+    _require_rank4("q", q, "(batch, seqlen_q, nheads, headdim)")
+    _require_rank4("k_cache", k_cache, cache_axes)
+    _require_rank4("v_cache", v_cache, cache_axes)
+    _require_dtype(k_cache, v_cache, q.dtype)
+    check_kernel_dtype(q.dtype)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise DimensionMismatchError(
+            f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    entries, rows, nheads_kv, cache_hd = k_cache.shape
+    if cache_hd != head_dim:
+        raise DimensionMismatchError(f"head dim mismatch: q has {head_dim}, k_cache and v_cache have {cache_hd}")
+    if nheads % nheads_kv:
+        raise DimensionMismatchError(
+            f"nheads ({nheads}) must be a multiple of the cache's nheads_kv ({nheads_kv})")
+    if head_dim % HEAD_DIM_MULTIPLE or head_dim > MAX_HEAD_DIM:
+        raise UnsupportedHeadDimError(
+            f"head dim {head_dim} is not supported; supported: every multiple of {HEAD_DIM_MULTIPLE} "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}")
+    if (k is None) != (v is None):
+        raise MissingTensorError("k and v are appended together: pass both or neither")
+    seqlen_new = 0
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            require_torch_tensor(name, t)
+            if t.dtype != q.dtype:
+                raise UnsupportedDtypeError(f"mixed dtypes: {name} is {t.dtype} but q is {q.dtype}")
+            if t.dim() != 4 or t.shape[0] != batch or tuple(t.shape[2:]) != (nheads_kv, head_dim):
+                raise DimensionMismatchError(
+                    f"{name} must have shape (batch={batch}, seqlen_new, nheads_kv={nheads_kv}, headdim={head_dim}), "
+                    f"got {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise DimensionMismatchError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+    page_size = 0
+    if paged:
+        if cache_batch_idx is not None:
+            raise UnsupportedArgumentError(
+                "cache_batch_idx addresses a contiguous cache; with a block_table the table picks each "
+                "sequence's pages: pass cache_batch_idx=None")
+        _require_tensor("block_table", block_table)
+        if block_table.dtype != torch.int32:
+            raise UnsupportedDtypeError(f"block_table must be torch.int32, got {block_table.dtype}")
+        if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] == 0:
+            raise DimensionMismatchError(
+                f"block_table must have shape (batch={batch}, max_blocks >= 1), got {tuple(block_table.shape)}")
+        if rows % PAGE_MULTIPLE:
+            raise UnsupportedArgumentError(
+                f"block size {rows} is not supported: paged caches need a block size that is a multiple of "
+                f"{PAGE_MULTIPLE}")
+        page_size = rows
+        capacity = block_table.shape[1] * rows
+    else:
+        if cache_batch_idx is not None:
+            _require_int32_tensor("cache_batch_idx", cache_batch_idx, (batch,), "(batch,)")
+        elif entries < batch:
+            raise DimensionMismatchError(
+                f"k_cache holds {entries} sequences but q has batch {batch}; pass cache_batch_idx to pick them")
+        capacity = rows
+    if cache_seqlens is None:
+        if seqlen_new:
+            raise MissingTensorError("appending k and v needs cache_seqlens: where each sequence's new keys go")
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _require_int32_tensor("cache_seqlens", cache_seqlens, (batch,), "(batch,)")
+    elif isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, numbers.Integral):
+        raise UnsupportedDtypeError(
+            f"cache_seqlens must be an int or a (batch,) torch.int32 tensor, got {type(cache_seqlens).__name__}")
+    elif not 0 <= cache_seqlens <= capacity - seqlen_new:
+        raise InvalidDimensionError(
+            f"cache_seqlens={cache_seqlens} with {seqlen_new} appended keys does not fit a cache of "
+            f"{capacity} keys per sequence")
+    if batch * nheads_kv > MAX_GRID_Z:
+        raise InvalidDimensionError(
+            f"batch * nheads_kv = {batch * nheads_kv} exceeds {MAX_GRID_Z}, the decode kernel's grid limit; "
+            "split the batch")
+    problem = KVCacheProblem(batch, seqlen_q, nheads, nheads_kv, head_dim, seqlen_new, page_size, capacity,
+                             entries, q.dtype)
+    return problem, splits
+
+
+def kvcache_value_flags(problem: KVCacheProblem, cache_seqlens, cache_batch_idx, block_table,
+                       device: torch.device) -> torch.Tensor | None:
+    """The rules on the values of cache_seqlens, cache_batch_idx and block_table, evaluated on the
+    device into one bool tensor, one flag per rule of `raise_for_kvcache_values` (None when no
+    tensor holds values to check). Reading it is the one host synchronization of a checked call."""
+    if not any(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, block_table)):
+        return None
+    false = torch.zeros((), dtype=torch.bool, device=device)
+    negative = overflow = batch_out = page_out = false
+    if isinstance(cache_seqlens, torch.Tensor):
+        negative = (cache_seqlens < 0).any()
+        overflow = (cache_seqlens > problem.capacity - problem.seqlen_new).any()
+        keys = cache_seqlens[:, None] + problem.seqlen_new
+    else:
+        keys = problem.capacity if cache_seqlens is None else cache_seqlens + problem.seqlen_new
+    if cache_batch_idx is not None:
+        batch_out = ((cache_batch_idx < 0) | (cache_batch_idx >= problem.cache_entries)).any()
+    if block_table is not None:
+        pages = (keys + problem.page_size - 1) // problem.page_size
+        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages
+        page_out = (used & ((block_table < 0) | (block_table >= problem.cache_entries))).any()
+    return torch.stack([negative, overflow, batch_out, page_out])
+
+
+def raise_for_kvcache_values(flags: list[bool], problem: KVCacheProblem) -> None:
+    """The typed error for the first rule `kvcache_value_flags` found broken."""
+    messages = (
+        "cache_seqlens has a negative entry",
+        f"cache_seqlens + {problem.seqlen_new} appended keys exceeds the cache's {problem.capacity} keys per "
+        "sequence for some sequence",
+        f"cache_batch_idx has an entry outside [0, {problem.cache_entries})",
+        f"block_table has a negative entry, or one >= num_blocks ({problem.cache_entries}), among the blocks "
+        "the sequences use",
+    )
+    for broken, message in zip(flags, messages):
+        if broken:
+            raise InvalidDimensionError(message)

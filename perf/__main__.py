@@ -1,11 +1,11 @@
-"""`python -m cute_flash.perf bench|dashboard|cp ...`."""
+"""`python -m cute_flash.perf bench|dashboard|cp|decode ...`."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("bench", "dashboard", "cp")
-USAGE = ("usage: python -m cute_flash.perf {bench,dashboard,cp} [options]  (--help after any for its options; "
+COMMANDS = ("bench", "dashboard", "cp", "decode")
+USAGE = ("usage: python -m cute_flash.perf {bench,dashboard,cp,decode} [options]  (--help after any for its options; "
          "cp on several GPUs: torchrun --nproc_per_node=N -m cute_flash.perf.cp)")
 
 
@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as run
     elif argv[0] == "dashboard":
         from .dashboard import main as run
+    elif argv[0] == "decode":
+        from .decode import main as run
     else:
         from .cp import main as run
     return run(argv[1:])

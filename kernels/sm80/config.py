@@ -78,3 +78,26 @@ class Sm80BwdGroupSumConfig:
 
     dtype: type[cutlass.Numeric]
     head_dim: int
+
+
+@dataclass(frozen=True)
+class Sm80DecodeConfig:
+    """The decode kernel (kernels/sm80/decode.py): attention of a few query rows per sequence on a
+    KV cache, the query heads of one KV head packed into one tile, the keys split across CTAs."""
+
+    dtype: type[cutlass.Numeric]
+    head_dim: int
+    causal: bool
+    page_size: int = 0  # keys per cache page; 0: a contiguous cache (batch, max_len, kv heads, hd)
+    tile_m: int = 64  # packed query rows (query position x query head of the group) per CTA
+    tile_n: int = 64  # keys per K/V block
+    num_warps: int = 4  # stacked along M
+    num_stages: int = 2  # K/V buffers
+
+
+@dataclass(frozen=True)
+class Sm80DecodeCombineConfig:
+    """The split-KV merge (kernels/sm80/decode_combine.py)."""
+
+    dtype: type[cutlass.Numeric]
+    head_dim: int

@@ -201,35 +201,13 @@ class FlashAttnFwdSm80:
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must all have the kernel's dtype")
-        dtype = self.dtype
-        atom = smem_layout_atom(dtype, self.tile_hdim)
-        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
-        sKV_layout = cute.tile_to_shape(
-            atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2)
-        )
+        sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma = self._setup()
 
         @cute.struct
         class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-
-        # gmem <-> smem: 16-byte vectors, one smem atom row (32 or 64 elements) per group of threads
-        row_elems = atom.outer.shape[1]
-        gmem_tiled_copy_QKV = gmem_tiled_copy(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, self.num_threads, row_elems
-        )
-        gmem_tiled_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), dtype, self.num_threads, row_elems)
-        # warps side by side along M; the N permutation makes one tile 16 wide so each B
-        # ldmatrix.x4 feeds two n8 mmas
-        if cutlass.const_expr(self.fp32):
-            tiled_mma = tiled_mma_tf32(self.num_warps, 1)
-        else:
-            tiled_mma = cute.make_tiled_mma(
-                warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
-                (self.num_warps, 1, 1),
-                permutation_mnk=(self.num_warps * 16, 16, 16),
-            )
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
         grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
@@ -247,6 +225,34 @@ class FlashAttnFwdSm80:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
         )
+
+    def _setup(self):
+        """Host-side pieces of the launch (also the decode kernel's, kernels/sm80/decode.py): smem
+        layouts, gmem copies, the tiled MMA."""
+        dtype = self.dtype
+        atom = smem_layout_atom(dtype, self.tile_hdim)
+        sQ_layout = cute.tile_to_shape(atom, (self.tile_m, self.tile_hdim), (0, 1))
+        sKV_layout = cute.tile_to_shape(
+            atom, (self.tile_n, self.tile_hdim, self.num_stages), (0, 1, 2)
+        )
+
+        # gmem <-> smem: 16-byte vectors, one smem atom row (32 or 64 elements) per group of threads
+        row_elems = atom.outer.shape[1]
+        gmem_tiled_copy_QKV = gmem_tiled_copy(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, self.num_threads, row_elems
+        )
+        gmem_tiled_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), dtype, self.num_threads, row_elems)
+        # warps side by side along M; the N permutation makes one tile 16 wide so each B
+        # ldmatrix.x4 feeds two n8 mmas
+        if cutlass.const_expr(self.fp32):
+            tiled_mma = tiled_mma_tf32(self.num_warps, 1)
+        else:
+            tiled_mma = cute.make_tiled_mma(
+                warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+                (self.num_warps, 1, 1),
+                permutation_mnk=(self.num_warps * 16, 16, 16),
+            )
+        return sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma
 
     # ------------------------------------------------------------------------------------------
     # device side

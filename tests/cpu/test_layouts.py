@@ -147,7 +147,7 @@ def test_sm80_forward_numbers_are_the_kernels(sm80_forward):
     mma = by_name(layouts.mmas, "tiled_mma")
     assert mma.tile_mnk == (settings["num_warps"] * 16, 16, 16) and mma.atom_mnk == (16, 8, 16)
     sQ_layout = by_name(layouts.smem_layouts, "sQ_layout")
-    assert (sQ_layout.sites[0].path, sQ_layout.sites[0].function) == ("kernels/sm80/fwd.py", "launch")
+    assert (sQ_layout.sites[0].path, sQ_layout.sites[0].function) == ("kernels/sm80/fwd.py", "_setup")
     # docs/kernels/sm80-forward.md: the swizzle makes cp.async writes and ldmatrix reads conflict-free.
     copies = {p.name: partition_conflicts(p) for p in layouts.partitions}
     assert {"gmem_thr_copy.partition_D(sQ)", "smem_thr_copy_Q.partition_S(sQ)",

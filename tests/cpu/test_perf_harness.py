@@ -77,7 +77,24 @@ def test_quick_is_small_and_decode_is_registered_but_unavailable():
 
 def test_decode_suite_exits_cleanly_with_a_note(capsys):
     assert bench.main(["--suite", "decode"]) == 0
-    assert "not available until the KV-cache API exists" in capsys.readouterr().err
+    assert "python -m cute_flash.perf decode" in capsys.readouterr().err
+
+
+def test_decode_runner_cells():
+    from cute_flash.perf import decode
+
+    full, quick = decode.cells(False, [128, 64]), decode.cells(True, [128])
+    assert len(set(full)) == len(full) and set(quick) <= set(full)
+    assert {c.layout for c in full} == {"contiguous", "paged16", "paged256"}
+    assert {(c.nheads, c.nheads_kv) for c in full} == {(32, 8), (8, 1)} and {c.seqlen_q for c in full} == {1, 8}
+    assert min(c.batch for c in full) == 1 and max(c.batch for c in full) == 64
+    assert min(c.cache_len for c in full) == 4096 and max(c.cache_len for c in full) == 131072
+    cell = decode.DecodeCell(8, 32768, 1, 32, 8, 128, "contiguous")
+    assert cell.kv_bytes == 8 * 32768 * 8 * 128 * 4
+    row = {"cell": {"batch": 8, "cache_len": 32768}, "ours_tbps": 2.6, "cudnn_tbps": 2.5, "flash_tbps": 2.4}
+    assert decode.verdict(row, 3.0)["passes"]
+    assert not decode.verdict(dict(row, ours_tbps=2.45), 3.0)["passes"]  # below cuDNN
+    assert not decode.verdict(dict(row, ours_tbps=2.52), 3.0)["passes"]  # 0.84x the copy
 
 
 def test_module_entry_point_dispatches(capsys):

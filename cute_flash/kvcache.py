@@ -1,0 +1,153 @@
+"""`flash_attn_with_kvcache`: attention on a KV cache for inference, with flash-attn 2's signature
+and positional order, so serving code switches by changing the import.
+
+The call travels the package's path (docs/architecture.md): `validate.check_kvcache` (every rule
+that needs no tensor values), `validate.kvcache_value_flags` (the rules on cache_seqlens,
+cache_batch_idx and block_table values, read back in one host synchronization; skipped while a
+CUDA graph is captured and when CUTE_FLASH_KVCACHE_VALUE_CHECKS=0), then the append of k / v
+into the cache (torch index writes on the device, no synchronization), `dispatch.plan_decode` and
+`launchers.decode_launcher` (the decode kernel, and the split merge when the keys are split).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import device as devices
+from . import dispatch
+from .api import _on, _uniform_scores, kernel_input, kernel_view
+from .errors import InvalidDimensionError
+from .launchers import decode_launcher
+from .validate import (
+    check_device, check_flag, check_kvcache, check_softmax_scale, kvcache_value_flags, raise_for_kvcache_values,
+)
+
+__all__ = ["flash_attn_with_kvcache"]
+
+VALUE_CHECKS = os.environ.get("CUTE_FLASH_KVCACHE_VALUE_CHECKS", "1") != "0"
+"""Whether calls read back the value checks of cache_seqlens, cache_batch_idx and block_table
+(one host synchronization per call). Off, out-of-range values are undefined behaviour, as in
+flash-attn."""
+
+_launchers: dict[tuple, object] = {}
+_arange: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int):
+    capability = devices.capability(device.index)
+    key = (device.index, dtype, head_dim, causal, page_size)
+    kept = _launchers.get(key)
+    if kept is None:
+        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size)
+        kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n)
+    return kept
+
+
+def _identity(device: torch.device, batch: int) -> torch.Tensor:
+    """Sequence b reads cache entry b (no cache_batch_idx)."""
+    index = _arange.get((device.index, batch))
+    if index is None:
+        index = _arange[(device.index, batch)] = torch.arange(batch, dtype=torch.int32, device=device)
+    return index
+
+
+def _cache_view(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The cache itself: it is written in place, so it cannot be copied into a layout the kernel takes."""
+    view = kernel_view(t)
+    if view is None:
+        raise InvalidDimensionError(
+            f"{name} must have a last stride of 1, other strides multiples of 8 elements and a 16-byte aligned "
+            f"base; got strides {tuple(t.stride())}")
+    return view
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, batch_idx, block_table, page_size: int) -> None:
+    """k, v into the cache at positions cache_seqlens[b] + i of sequence b (index writes on the device)."""
+    seqlen_new = k.shape[1]
+    positions = cache_seqlens.long()[:, None] + torch.arange(seqlen_new, device=k.device)
+    if block_table is None:
+        rows, slots = batch_idx.long()[:, None].expand_as(positions), positions
+    else:
+        rows = block_table.long().gather(1, positions // page_size)
+        slots = positions % page_size
+    k_cache[rows, slots] = k
+    v_cache[rows, slots] = v
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens=None,
+    cache_batch_idx=None,
+    cache_leftpad=None,
+    block_table=None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+):
+    """Attention of q on a KV cache, after appending k, v to it in place (docs/api.md).
+
+    q: (batch, seqlen_q, nheads, headdim). k_cache, v_cache: (batch_cache, max_seqlen, nheads_kv,
+    headdim), or paged (num_blocks, block_size, nheads_kv, headdim) with block_table (batch,
+    max_blocks) int32, block_size a multiple of 16. k, v: (batch, seqlen_new, nheads_kv, headdim),
+    written at cache_seqlens (int or (batch,) int32; None: every sequence fills the cache).
+    cache_batch_idx: (batch,) int32 cache entry of each sequence (contiguous cache). causal is
+    bottom-right aligned. num_splits: splits along the keys (0: chosen per call). Returns out, or
+    (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) float32.
+    rotary_cos, rotary_sin, cache_leftpad, window_size other than (-1, -1), softcap and
+    alibi_slopes are rejected with UnsupportedArgumentError.
+    """
+    problem, num_splits = check_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    causal = check_flag("causal", causal)
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
+    scale = check_softmax_scale(softmax_scale, problem.head_dim)
+    tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
+    for name, t in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("block_table", block_table)):
+        if isinstance(t, torch.Tensor):
+            tensors[name] = t
+    device = check_device(tensors)
+    k_cache_k, v_cache_k = _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache)
+    with _on(device):
+        if VALUE_CHECKS and not torch.cuda.is_current_stream_capturing():
+            flags = kvcache_value_flags(problem, cache_seqlens, cache_batch_idx, block_table, device)
+            if flags is not None:
+                raise_for_kvcache_values(flags.tolist(), problem)
+        batch = problem.batch
+        if isinstance(cache_seqlens, torch.Tensor):
+            lengths = cache_seqlens.contiguous()
+        else:
+            full = problem.capacity - problem.seqlen_new if cache_seqlens is None else cache_seqlens
+            lengths = torch.full((batch,), full, dtype=torch.int32, device=device)
+        batch_idx = None
+        if problem.page_size == 0:
+            batch_idx = _identity(device, batch) if cache_batch_idx is None else cache_batch_idx.contiguous()
+        if problem.seqlen_new:
+            _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
+        launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, causal, problem.page_size)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
+        if num_splits == 0:
+            group = problem.nheads // problem.nheads_kv
+            m_blocks = -(-problem.seqlen_q * group // tile_m)
+            max_keys = problem.capacity if not isinstance(cache_seqlens, int) else cache_seqlens + problem.seqlen_new
+            num_splits = dispatch.decode_splits(batch, problem.nheads_kv, m_blocks, max_keys, tile_n,
+                                                devices.sm_count(device.index))
+        q_k, scale_k = _uniform_scores(q, scale)
+        launch(q_k, k_cache_k, v_cache_k, out, lse, lengths, problem.seqlen_new, batch_idx,
+               None if block_table is None else kernel_input(block_table, 4), scale_k, num_splits)
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,376 @@
+"""Attention on a KV cache for decoding (mma.sync, cp.async, ldmatrix; sm80 and newer).
+
+Decoding attends a few query rows per sequence (one new token, a few speculative ones, or a
+chunk of a prompt) to a long cache. The work is reading K and V, so the kernel is built to read
+each cache byte once and to spread the reading over every SM:
+
+* Packed GQA. The query heads that share one KV head form one tile: packed row
+  r = q_idx * group + h (query position q_idx, query head kv_head * group + h), so a CTA reads
+  its KV head once for all of them.
+* Split-KV. Grid (packed row blocks, splits, batch * kv_heads): split s takes an equal share of
+  the sequence's key blocks. With one split the CTA writes O and LSE; with more it writes its
+  normalized fp32 O and its LSE to a workspace that kernels/sm80/decode_combine.py merges.
+* Per-sequence lengths. Sequence b has mCacheSeqlens[b] + seqlen_new keys, read on the device:
+  no host synchronization, and CUDA graphs replay with new lengths.
+* Paged or contiguous cache. Every K/V row is gathered on its own: key j of sequence b is row
+  j % page_size of page block_table[b, j // page_size] (paged, any page size multiple of 16,
+  smaller or larger than the key tile), or row j of cache entry batch_idx[b] (contiguous).
+
+Causal attention is bottom-right aligned as in the other kernels: query q_idx sees key j iff
+j <= q_idx + seqlen_k - seqlen_q. Every key block is masked (key bound and causal limit): the
+selects cost nothing next to the loads, and any block of a split may hold the diagonal.
+
+The main loop is the sm80 forward's (kernels/sm80/fwd.py): K and V in separate cp.async groups,
+one ahead, S = Q K^T and O += P V with ldmatrix + mma.sync, online softmax in registers.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import warp
+
+from ..common.blocks import split_block_range
+from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
+from ..common.softmax import LOG2_E, OnlineSoftmax
+from .config import Sm80DecodeConfig
+from .fwd import SMEM_CAPACITY, FlashAttnFwdSm80, gemm_sm80
+
+PAGE_MULTIPLE = 16
+"""Supported page sizes are multiples of this (any multiple: rows are gathered one by one)."""
+
+
+class FlashDecodeSm80(FlashAttnFwdSm80):
+    """Shares the forward's launch setup, head-dim predicates, padding and stage ring (`_setup`,
+    `_predicate_hdim`, `_zero_hdim_padding`, `_advance`); everything that addresses global memory
+    is its own."""
+
+    def __init__(self, config: Sm80DecodeConfig):
+        self.cfg = config
+        self.dtype = config.dtype
+        self.head_dim = config.head_dim
+        self.tile_hdim = config.head_dim if config.head_dim % 64 == 0 else (config.head_dim + 31) // 32 * 32
+        self.check_hdim = self.tile_hdim != config.head_dim
+        self.causal = config.causal
+        self.page_size = config.page_size
+        self.tile_m, self.tile_n = config.tile_m, config.tile_n
+        self.num_warps = config.num_warps
+        self.num_threads = config.num_warps * 32
+        self.num_stages = config.num_stages
+
+    @staticmethod
+    def default_tiles(head_dim: int) -> dict:
+        # 4 warps of 16 packed rows: a group of up to 64 query rows shares each K/V read. The
+        # key tile halves past head dim 128 so acc_O + acc_S stay in registers.
+        return dict(tile_m=64, tile_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
+
+    @staticmethod
+    def can_implement(dtype, head_dim, causal, page_size=0, tile_m=64, tile_n=64, num_warps=4,
+                      num_stages=2) -> bool:
+        if page_size < 0 or page_size % PAGE_MULTIPLE:
+            return False
+        if num_stages < 2:  # the loop issues V[n - 1] and K[n - 2] ahead
+            return False
+        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, num_warps, num_stages) and (
+            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages) <= SMEM_CAPACITY)
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (batch, seqlen_q, nheads, hd)
+        mK: cute.Tensor,  # (cache batch, max_len, nheads_kv, hd) or (pages, page_size, nheads_kv, hd)
+        mV: cute.Tensor,
+        mO: cute.Tensor,  # like mQ
+        mLSE: cute.Tensor,  # (batch, nheads, seqlen_q) float32
+        mOpart: cute.Tensor,  # (splits * batch, seqlen_q, nheads, hd) float32, with more than one split
+        mLSEpart: cute.Tensor,  # (splits * batch, nheads, seqlen_q) float32
+        mCacheSeqlens: cute.Tensor,  # (batch,) int32: keys of each sequence before the new ones
+        mBatchIdx: cute.Tensor,  # (batch,) int32: cache entry of each sequence (contiguous cache)
+        mBlockTable: cute.Tensor,  # (batch, max_pages) int32 (paged cache)
+        seqlen_new: Int32,  # keys appended to every sequence by this call (already in the cache)
+        softmax_scale: Float32,
+        num_splits: Int32,
+        stream: cuda.CUstream,
+    ):
+        if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
+                                   == mO.element_type == self.dtype)):
+            raise TypeError("q, k_cache, v_cache, out must all have the kernel's dtype")
+        sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma = self._setup()
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+        packed_rows = mQ.shape[1] * (mQ.shape[2] // mK.shape[2])
+        grid = (cute.ceil_div(packed_rows, self.tile_m), num_splits, mQ.shape[0] * mK.shape[2])
+        self.kernel(
+            mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable,
+            seqlen_new, softmax_scale * LOG2_E, num_splits,
+            sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, SharedStorage,
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOpart: cute.Tensor,
+        mLSEpart: cute.Tensor,
+        mCacheSeqlens: cute.Tensor,
+        mBatchIdx: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        seqlen_new: Int32,
+        softmax_scale_log2: Float32,
+        num_splits: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        gmem_tiled_copy_QKV: cute.TiledCopy,
+        gmem_tiled_copy_O: cute.TiledCopy,
+        tiled_mma: cute.TiledMma,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, split, batch_head = cute.arch.block_idx()
+        num_heads_kv = mK.shape[2]
+        batch = batch_head // num_heads_kv
+        head_kv = batch_head - batch * num_heads_kv
+        seqlen_q = mQ.shape[1]
+        group = mQ.shape[2] // num_heads_kv
+        packed_rows = seqlen_q * group
+        seqlen_k = mCacheSeqlens[batch] + seqlen_new
+        cache_batch = Int32(0)
+        if cutlass.const_expr(self.page_size == 0):
+            cache_batch = mBatchIdx[batch]
+
+        # ---- this CTA's key blocks: an equal share of those the tile's rows see ----
+        n_block_min, n_block_end = split_block_range(m_block, split, num_splits, seqlen_q, seqlen_k, group,
+                                                     self.tile_m, self.tile_n, self.causal)
+        n_block_first = n_block_end - 1
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sKV_layout)
+        sV = storage.sV.get_tensor(sKV_layout)
+        sVt = transpose_view(sV)
+
+        blk_q = (self.tile_m, self.tile_hdim)
+        blk_kv = (self.tile_n, self.tile_hdim)
+        gmem_thr_copy = gmem_tiled_copy_QKV.get_slice(tidx)
+        tQsQ = gmem_thr_copy.partition_D(sQ)
+        tKsK = gmem_thr_copy.partition_D(sK)
+        tVsV = gmem_thr_copy.partition_D(sV)
+        tQcQ = gmem_thr_copy.partition_S(cute.make_identity_tensor(blk_q))
+        tKVcKV = gmem_thr_copy.partition_S(cute.make_identity_tensor(blk_kv))
+        tQpQ = self._predicate_hdim(tQsQ, tQcQ)
+        tKVpKV = self._predicate_hdim(tKsK, tKVcKV)
+
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32)
+        acc_O.fill(0.0)
+
+        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        smem_thr_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+        smem_thr_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+        smem_thr_copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma).get_slice(tidx)
+
+        # ---- prologue: Q's packed rows, then K/V of the first blocks ----
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            row = m_block * self.tile_m + tQcQ[0, m, 0][0]
+            if row < packed_rows:
+                q_idx = row // group
+                head = head_kv * group + row - q_idx * group
+                tQgRow = gmem_thr_copy.partition_S(self._row_tile(mQ[batch, q_idx, head, None], self.tile_m))
+                cute.copy(gmem_tiled_copy_QKV, tQgRow[None, m, None], tQsQ[None, m, None],
+                          pred=tQpQ[None, m, None] if cutlass.const_expr(self.check_hdim) else None)
+            else:
+                tQsQ[None, m, None].fill(0.0)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.check_hdim):
+            self._zero_hdim_padding(tQsQ, tQpQ)
+            self._zero_hdim_padding(tKsK, tKVpKV)
+            self._zero_hdim_padding(tVsV, tKVpKV)
+
+        load_kv = partial(self._gather_kv, gmem_tiled_copy_QKV, gmem_thr_copy, tKVcKV, tKVpKV, seqlen_k,
+                          batch, head_kv, cache_batch, mBlockTable, n_block_min)
+        load_kv(mK, tKsK, n_block_first, 0)
+        cute.arch.cp_async_commit_group()
+        load_kv(mV, tVsV, n_block_first, 0)
+        cute.arch.cp_async_commit_group()
+        for stage in cutlass.range_constexpr(1, self.num_stages):
+            load_kv(mK, tKsK, n_block_first - stage, stage)
+            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(stage < self.num_stages - 1):
+                load_kv(mV, tVsV, n_block_first - stage, stage)
+                cute.arch.cp_async_commit_group()
+
+        softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0]))
+        softmax.reset()
+
+        # ---- main loop over this split's key blocks, last to first ----
+        step = partial(
+            self._step, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
+            thr_mma=thr_mma, tiled_mma=tiled_mma, softmax=softmax, acc_O=acc_O,
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=smem_thr_copy_Q.partition_S(sQ),
+            tSsK=smem_thr_copy_K.partition_S(sK), tOsVt=smem_thr_copy_V.partition_S(sVt),
+            smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V,
+            load_kv=load_kv, mK=mK, mV=mV, tKsK=tKsK, tVsV=tVsV,
+        )
+        smem_read = Int32(0)
+        smem_write = Int32(self.num_stages - 1)
+        for i in cutlass.range(n_block_end - n_block_min, unroll=1):
+            step(n_block_first - i, smem_read, smem_write)
+            smem_read = self._advance(smem_read)
+            smem_write = self._advance(smem_write)
+        cute.arch.cp_async_wait_group(0)
+
+        # ---- epilogue: O / row_sum and LSE, final or one split's piece ----
+        row_scale = softmax.finalize()
+        softmax.rescale_O(acc_O, row_scale)
+        rows = partial(self._packed_row, m_block=m_block, packed_rows=packed_rows, group=group, head_kv=head_kv)
+        if num_splits == 1:
+            self._store_O_LSE(acc_O, softmax.row_sum, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma,
+                              tidx, batch, rows)
+        else:
+            self._store_piece(acc_O, softmax.row_sum, mOpart, mLSEpart, thr_mma, split * mQ.shape[0] + batch, rows)
+
+    def _row_tile(self, row: cute.Tensor, num_rows: int) -> cute.Tensor:
+        """One gmem row seen as a (num_rows, tile_hdim) tile whose every row is that row: the tiled
+        copy's partition of it addresses this row's columns at any row index, so each row of an
+        smem tile is gathered from its own address with the same copy as a strided tile."""
+        return cute.make_tensor(row.iterator, cute.make_layout((num_rows, self.tile_hdim), stride=(0, 1)))
+
+    @cute.jit
+    def _packed_row(self, local_row, m_block, packed_rows, group, head_kv):
+        """(valid, q_idx, head) of a tile row: packed row r = q_idx * group + h."""
+        row = m_block * self.tile_m + local_row
+        q_idx = row // group
+        return row < packed_rows, q_idx, head_kv * group + row - q_idx * group
+
+    @cute.jit
+    def _gather_kv(self, gmem_tiled_copy, gmem_thr_copy, tXcX, tXpX, seqlen_k, batch, head_kv, cache_batch,
+                   mBlockTable, n_block_min, mX, tXsX, n_block, stage):
+        """K or V block n_block into smem stage `stage`, row by row from the cache (nothing when
+        n_block is outside this split). Keys at or past seqlen_k become zeros: they meet P = 0."""
+        dst = tXsX[None, None, None, stage]
+        if n_block >= n_block_min:
+            for n in cutlass.range_constexpr(cute.size(dst.shape[1])):
+                key = n_block * self.tile_n + tXcX[0, n, 0][0]
+                if key < seqlen_k:
+                    if cutlass.const_expr(self.page_size > 0):
+                        page_idx = key // self.page_size
+                        row = mX[mBlockTable[batch, page_idx], key - page_idx * self.page_size, head_kv, None]
+                    else:
+                        row = mX[cache_batch, key, head_kv, None]
+                    src = gmem_thr_copy.partition_S(self._row_tile(row, self.tile_n))
+                    cute.copy(gmem_tiled_copy, src[None, n, None], dst[None, n, None],
+                              pred=tXpX[None, n, None] if cutlass.const_expr(self.check_hdim) else None)
+                else:
+                    dst[None, n, None].fill(0.0)
+
+    @cute.jit
+    def _mask(self, acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group):
+        """-inf for keys at or past seqlen_k and, causal, right of each packed row's diagonal."""
+        acc_S_mn = reshape_acc_to_mn(acc_S)
+        tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        key_offset = n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+            limit = seqlen_k - key_offset
+            if cutlass.const_expr(self.causal):
+                q_idx = (m_block * self.tile_m + tScS_mn[r, 0][0]) // group
+                limit = cutlass.min(limit, q_idx + 1 + seqlen_k - seqlen_q - key_offset)
+            for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
+                acc_S_mn[r, c] = -Float32.inf if tScS_mn[r, c][1] >= limit else acc_S_mn[r, c]
+
+    @cute.jit
+    def _step(self, n_block, smem_read, smem_write, m_block, seqlen_q, seqlen_k, group, thr_mma, tiled_mma,
+              softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_thr_copy_Q, smem_thr_copy_K,
+              smem_thr_copy_V, load_kv, mK, mV, tKsK, tVsV):
+        # the forward's two-wait step (kernels/sm80/fwd.py: _step), every block masked
+        wait_groups = self.num_stages * 2 - 2
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S.fill(0.0)
+        cute.arch.cp_async_wait_group(wait_groups)
+        cute.arch.barrier()  # K[n_block] landed; every warp done with the V stage written next
+        load_kv(mV, tVsV, n_block - (self.num_stages - 1), smem_write)
+        cute.arch.cp_async_commit_group()
+        gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
+                  tSsQ, smem_thr_copy_Q)
+        self._mask(acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group)
+        row_scale = softmax.online_softmax(acc_S, is_first=False, check_inf=True)
+        softmax.rescale_O_if_needed(acc_O, row_scale)
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        cute.arch.cp_async_wait_group(wait_groups)
+        cute.arch.barrier()  # V[n_block] landed; every warp done with K[smem_read]
+        load_kv(mK, tKsK, n_block - self.num_stages, self._advance(smem_write))
+        cute.arch.cp_async_commit_group()
+        gemm_sm80(tiled_mma, acc_O, reshape_acc_to_frgA(rP), tOrVt, tOsVt[None, None, None, smem_read],
+                  smem_thr_copy_V)
+
+    @cute.jit
+    def _store_O_LSE(self, acc_O, lse, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma, tidx, batch, rows):
+        """The final O (staged through sQ for 16-byte stores, each row to its own address) and LSE."""
+        taccOcO = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdim))))
+        if taccOcO[0][1] == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                valid, q_idx, head = rows(taccOcO[r, 0][0])
+                if valid:
+                    mLSE[batch, head, q_idx] = lse[r]
+        rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
+        rO.store(acc_O.load().to(self.dtype))
+        cute.arch.barrier()  # every warp is done reading sQ
+        smem_copy_atom_O = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype)
+        smem_thr_copy_O = cute.make_tiled_copy_C(smem_copy_atom_O, tiled_mma).get_slice(tidx)
+        cute.copy(smem_copy_atom_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sQ))
+        cute.arch.barrier()
+        s2g = gmem_tiled_copy_O.get_slice(tidx)
+        tOsO = s2g.partition_S(sQ)
+        tOrO = cute.make_rmem_tensor_like(tOsO, self.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        tOcO = s2g.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_hdim)))
+        tOpO = self._predicate_hdim(tOsO, tOcO)
+        for m in cutlass.range_constexpr(cute.size(tOrO.shape[1])):
+            valid, q_idx, head = rows(tOcO[0, m, 0][0])
+            if valid:
+                tOgRow = s2g.partition_D(self._row_tile(mO[batch, q_idx, head, None], self.tile_m))
+                cute.copy(gmem_tiled_copy_O, tOrO[None, m, None], tOgRow[None, m, None],
+                          pred=tOpO[None, m, None] if cutlass.const_expr(self.check_hdim) else None)
+
+    @cute.jit
+    def _store_piece(self, acc_O, lse, mOpart, mLSEpart, thr_mma, piece, rows):
+        """One split's normalized fp32 O and its LSE, from registers, for the combine kernel."""
+        acc_O_mn = reshape_acc_to_mn(acc_O)
+        taccOcO = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdim))))
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            valid, q_idx, head = rows(taccOcO[r, 0][0])
+            if valid:
+                if taccOcO[0][1] == 0:
+                    mLSEpart[piece, head, q_idx] = lse[r]
+                gRow = mOpart[piece, q_idx, head, None]
+                for c in cutlass.range(cute.size(acc_O_mn, mode=[1]), unroll_full=True):
+                    col = taccOcO[r, c][1]
+                    if cutlass.const_expr(self.check_hdim):
+                        if col < self.head_dim:
+                            gRow[col] = acc_O_mn[r, c]
+                    else:
+                        gRow[col] = acc_O_mn[r, c]

@@ -1,0 +1,100 @@
+"""The decode kernel and its split merge compile (no GPU needed) for sm_80 and sm_90a, to the
+instructions they are built from, without spills; dispatch plans them for every page size rule."""
+
+import pytest
+import torch
+
+import cutlass
+
+from cute_flash import dispatch
+from cute_flash.compile_report import compile_report
+
+# (arch, dtype, head_dim, causal, page_size): contiguous and paged (a page below, at and above the
+# 64-key tile, one not a power of two), padded head dim 96, the largest head dim.
+VARIANTS = [
+    ("sm_80", torch.bfloat16, 128, True, 0),
+    ("sm_80", torch.float16, 64, False, 48),
+    ("sm_90a", torch.bfloat16, 128, False, 16),
+    ("sm_90a", torch.bfloat16, 96, True, 256),
+    ("sm_90a", torch.float16, 256, True, 0),
+]
+
+
+def _compile(plan, arch):
+    kernel, args = plan.build()
+    return compile_report(kernel, args, arch=arch)
+
+
+@pytest.mark.parametrize("arch,dtype,head_dim,causal,page_size", VARIANTS,
+                         ids=[f"{a}-{str(d)[6:]}-d{h}-{'causal' if c else 'full'}-page{p}" for a, d, h, c, p in VARIANTS])
+def test_decode_compiles_without_spills(monkeypatch, arch, dtype, head_dim, causal, page_size):
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    capability = (9, 0) if arch == "sm_90a" else (8, 0)
+    plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size)
+    report = _compile(plan.main, arch)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32" in report.ptx
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans" in report.ptx  # V read transposed
+    assert "cp.async.cg.shared.global" in report.ptx  # 16-byte K/V row gathers
+    assert "ex2.approx" in report.ptx
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+    assert report.registers <= 255
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_combine_compiles(monkeypatch, arch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    plan = dispatch.plan_decode((8, 0) if arch == "sm_80" else (9, 0), torch.bfloat16, 128, False)
+    report = _compile(plan.combine, arch)
+    assert "ld.global.v4.b32" in report.ptx  # each lane's 4 columns of a piece in one load
+    assert "st.global.v2.b32" in report.ptx  # and its 4 bf16 columns of O in one store
+    assert "ex2.approx" in report.ptx and "lg2.approx" in report.ptx
+    assert report.spill_bytes == 0
+
+
+def test_page_sizes_and_split_heuristic():
+    from cute_flash.kernels.sm80.decode import FlashDecodeSm80
+
+    for page in (0, 16, 48, 64, 256, 1024):
+        assert FlashDecodeSm80.can_implement(cutlass.BFloat16, 128, True, page, **FlashDecodeSm80.default_tiles(128))
+    for page in (8, 24, -16):
+        assert not FlashDecodeSm80.can_implement(cutlass.BFloat16, 128, True, page)
+    for head_dim in range(8, 257, 8):
+        assert FlashDecodeSm80.can_implement(cutlass.Float16, head_dim, False, 0,
+                                             **FlashDecodeSm80.default_tiles(head_dim))
+    # enough CTAs already: no split; one long sequence: split up to the SM target, bounded by the keys
+    assert dispatch.decode_splits(64, 8, 1, 8192, 64, 132) == 1
+    assert dispatch.decode_splits(1, 8, 1, 131072, 64, 132) == 33
+    assert dispatch.decode_splits(1, 8, 1, 1024, 64, 132) == 4  # 16 blocks, at least 4 per split
+    assert dispatch.decode_splits(1, 1, 1, 64, 64, 132) == 1
+    assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 128
+
+
+def test_split_block_ranges_match_brute_force():
+    # The decode kernel's split ranges are plain integer arithmetic: run them on Python ints and
+    # compare with the keys every packed row (q_idx * group + h) of a tile sees.
+    from cute_flash.kernels.common.blocks import split_block_range
+
+    tile_m, tile_n = 64, 64
+    for causal in (False, True):
+        for seqlen_q, seqlen_k, group in [(1, 1, 4), (1, 1000, 4), (4, 130, 8), (16, 64, 4), (200, 1201, 4),
+                                          (200, 150, 1), (3, 1, 4), (3, 0, 2), (8, 4096, 8)]:
+            rows = seqlen_q * group
+            for m_block in range(-(-rows // tile_m)):
+                seen = set()
+                for r in range(m_block * tile_m, min((m_block + 1) * tile_m, rows)):
+                    q_idx = r // group
+                    last = seqlen_k - 1 if not causal else min(seqlen_k - 1, q_idx + seqlen_k - seqlen_q)
+                    seen |= {j // tile_n for j in range(last + 1)}
+                for num_splits in (1, 2, 3, 7, 64):
+                    ranges = [tuple(int(x) for x in split_block_range(
+                        m_block, s, num_splits, seqlen_q, seqlen_k, group, tile_m, tile_n, causal))
+                        for s in range(num_splits)]
+                    covered = [n for lo, hi in ranges for n in range(lo, hi)]
+                    assert sorted(covered) == sorted(set(covered)), "splits overlap"
+                    # every block some row sees, and nothing past the last of them (blocks below it
+                    # are all seen: causal rows see a prefix of the keys)
+                    assert set(covered) == set(range(max(seen) + 1 if seen else 0))
+                    assert set(covered) == seen
+                    # equal runs, the last one possibly shorter
+                    sizes = [hi - lo for lo, hi in ranges if hi > lo]
+                    assert all(x == sizes[0] for x in sizes[:-1]) and (not sizes or sizes[-1] <= sizes[0])

@@ -1,0 +1,196 @@
+"""flash_attn_with_kvcache on the GPU: every sequence's output against the float64 reference on its
+own gathered cache after the append (the yardstick of tests/gpu/common.py), the append read back
+from the cache, and the rest of the cache untouched."""
+
+import pytest
+import torch
+
+import cute_flash
+from cute_flash.kvcache import flash_attn_with_kvcache
+
+from .common import assert_forward_accurate, randn
+
+pytestmark = pytest.mark.gpu
+
+HEADS = [(32, 8), (8, 1), (4, 4)]  # GQA 4:1, MQA 8:1, MHA
+
+
+def _lengths(batch, seqlen_new, capacity, longest=None):
+    """Ragged cache lengths before the append, from 0 up to the capacity (one sequence at the top)."""
+    top = capacity - seqlen_new if longest is None else longest
+    lengths = torch.randint(0, top + 1, (batch,), dtype=torch.int32)
+    lengths[0] = top
+    if batch > 1:
+        lengths[1] = min(1, top)
+    if batch > 2:
+        lengths[2] = top // 2
+    return lengths
+
+
+class Cache:
+    """A contiguous or paged cache filled with random keys, and its sequences' keys gathered back."""
+
+    def __init__(self, batch, nheads_kv, head_dim, capacity, dtype, page_size=0, lengths=None, seqlen_new=0,
+                 spare_entries=0):
+        self.page_size = page_size
+        if page_size == 0:
+            entries = batch + spare_entries
+            self.k = randn(entries, capacity, nheads_kv, head_dim, dtype=dtype)
+            self.v = randn(entries, capacity, nheads_kv, head_dim, dtype=dtype)
+            self.batch_idx = torch.randperm(entries, device="cuda")[:batch].to(torch.int32) if spare_entries else None
+            self.block_table = None
+            return
+        pages_per_seq = -(-capacity // page_size)
+        needed = [-(-(int(n) + seqlen_new) // page_size) for n in lengths]
+        num_pages = sum(needed) + 3
+        self.k = randn(num_pages, page_size, nheads_kv, head_dim, dtype=dtype)
+        self.v = randn(num_pages, page_size, nheads_kv, head_dim, dtype=dtype)
+        pool = torch.randperm(num_pages).tolist()
+        table = torch.full((batch, pages_per_seq), -1, dtype=torch.int32)  # unused entries: out of range
+        for b, count in enumerate(needed):
+            for i in range(count):
+                table[b, i] = pool.pop()
+        # a shared prefix page: sequences 0 and 2 read the same first page when neither appends into it
+        if batch > 2 and min(int(lengths[0]), int(lengths[2])) >= page_size:
+            table[2, 0] = table[0, 0]
+        self.block_table = table.cuda()
+        self.batch_idx = None
+
+    def sequence(self, cache, b, length):
+        """Keys 0..length-1 of sequence b: (1, length, nheads_kv, head_dim)."""
+        if self.page_size == 0:
+            entry = b if self.batch_idx is None else int(self.batch_idx[b])
+            return cache[entry, :length][None]
+        pages = self.block_table[b, : -(-length // self.page_size)].long()
+        return cache[pages].flatten(0, 1)[:length][None]
+
+    def slots(self, b, start, count):
+        """(entries, rows) in the cache of positions start..start+count-1 of sequence b."""
+        pos = torch.arange(start, start + count, device="cuda")
+        if self.page_size == 0:
+            entry = b if self.batch_idx is None else int(self.batch_idx[b])
+            return torch.full_like(pos, entry), pos
+        return self.block_table[b].long()[pos // self.page_size], pos % self.page_size
+
+
+def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.bfloat16, page_size=0,
+               seqlen_new=None, num_splits=0, spare_entries=0, lengths=None, int_lengths=False):
+    nheads, nheads_kv = heads
+    seqlen_new = seqlen_q if seqlen_new is None else seqlen_new
+    if lengths is None:
+        lengths = _lengths(batch, seqlen_new, capacity)
+    cache = Cache(batch, nheads_kv, head_dim, capacity, dtype, page_size, lengths, seqlen_new, spare_entries)
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=dtype)
+    k = randn(batch, seqlen_new, nheads_kv, head_dim, dtype=dtype) if seqlen_new else None
+    v = randn(batch, seqlen_new, nheads_kv, head_dim, dtype=dtype) if seqlen_new else None
+    k_before, v_before = cache.k.clone(), cache.v.clone()
+    cache_seqlens = int(lengths[0]) if int_lengths else lengths.cuda()
+    out, lse = flash_attn_with_kvcache(
+        q, cache.k, cache.v, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache.batch_idx,
+        block_table=cache.block_table, causal=causal, num_splits=num_splits, return_softmax_lse=True)
+    torch.cuda.synchronize()
+    written_k, written_v = k_before.clone(), v_before.clone()
+    for b in range(batch):
+        n = int(lengths[0]) if int_lengths else int(lengths[b])
+        if seqlen_new:
+            entries, rows = cache.slots(b, n, seqlen_new)
+            assert torch.equal(cache.k[entries, rows], k[b]), f"appended keys of sequence {b} not in the cache"
+            assert torch.equal(cache.v[entries, rows], v[b]), f"appended values of sequence {b} not in the cache"
+            written_k[entries, rows], written_v[entries, rows] = k[b], v[b]
+        if n + seqlen_new == 0:  # no key at all: out 0, lse -inf, as the other kernels
+            assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b]))
+            continue
+        keys, values = cache.sequence(cache.k, b, n + seqlen_new), cache.sequence(cache.v, b, n + seqlen_new)
+        assert_forward_accurate(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, causal)
+    assert torch.equal(cache.k, written_k) and torch.equal(cache.v, written_v), "the cache changed outside the append"
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("seqlen_q", [1, 4, 16, 200])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_contiguous(seqlen_q, heads, causal):
+    check_call(3, seqlen_q, heads, 128, 1000, causal)
+
+
+@pytest.mark.parametrize("page_size", [16, 256])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("seqlen_q", [1, 4, 16, 200])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_paged(page_size, seqlen_q, heads, causal):
+    check_call(3, seqlen_q, heads, 128, 1200, causal, page_size=page_size)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 16])
+def test_splits_explicit(num_splits):
+    check_call(2, 1, (32, 8), 128, 3000, True, num_splits=num_splits)
+
+
+def test_long_ragged_cache_split():
+    """One sequence at 128k keys, others short: the heuristic splits the keys."""
+    lengths = torch.tensor([131072 - 1, 1, 5000], dtype=torch.int32)
+    check_call(3, 1, (32, 8), 128, 131072, False, lengths=lengths)
+
+
+def test_fp16_head_dim_64_odd_page():
+    check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
+
+
+def test_cache_batch_idx_and_no_append():
+    check_call(3, 4, (8, 2), 128, 600, True, seqlen_new=0, spare_entries=2)
+    check_call(2, 1, (8, 2), 128, 600, False, spare_entries=1)
+
+
+def test_int_lengths_and_full_cache():
+    check_call(2, 1, (8, 2), 128, 513, True, int_lengths=True)
+    # cache_seqlens None: every sequence is the whole cache
+    q = randn(2, 2, 8, 128, dtype=torch.bfloat16)
+    kc, vc = randn(2, 300, 2, 128, dtype=torch.bfloat16), randn(2, 300, 2, 128, dtype=torch.bfloat16)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, causal=True, return_softmax_lse=True)
+    assert_forward_accurate(out, lse, q, kc, vc, True)
+    assert flash_attn_with_kvcache(q, kc, vc).shape == q.shape
+
+
+def test_empty_cache_rows_see_nothing():
+    """A sequence with no keys at all, and causal rows that see none (3 queries on 1 key)."""
+    lengths = torch.tensor([0, 7, 1], dtype=torch.int32)
+    check_call(3, 3, (8, 2), 128, 64, True, seqlen_new=0, lengths=lengths)
+    check_call(3, 3, (8, 2), 128, 64, True, seqlen_new=0, lengths=lengths, num_splits=4)
+
+
+def test_value_errors_write_nothing():
+    cache = Cache(2, 2, 64, 64, torch.bfloat16, page_size=16, lengths=torch.tensor([20, 20]), seqlen_new=1)
+    q = randn(2, 1, 4, 64, dtype=torch.bfloat16)
+    k = randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    before = cache.k.clone()
+    table = cache.block_table.clone()
+    table[1, 1] = cache.k.shape[0]  # one past the last page, in a page sequence 1 uses
+    with pytest.raises(cute_flash.InvalidDimensionError, match="block_table"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k, k, cache_seqlens=torch.tensor([20, 20], dtype=torch.int32,
+                                device="cuda"), block_table=table)
+    with pytest.raises(cute_flash.InvalidDimensionError, match="exceeds"):
+        flash_attn_with_kvcache(q, cache.k, cache.v, k, k, cache_seqlens=torch.tensor([20, 64], dtype=torch.int32,
+                                device="cuda"), block_table=cache.block_table)
+    assert torch.equal(cache.k, before)
+
+
+def test_cuda_graph_replays_new_lengths():
+    """Lengths live on the device: a captured step replays with the lengths of the moment."""
+    batch, heads, hd, capacity = 2, (8, 2), 128, 512
+    cache = Cache(batch, heads[1], hd, capacity, torch.bfloat16)
+    q = randn(batch, 1, heads[0], hd, dtype=torch.bfloat16)
+    lengths = torch.tensor([100, 30], dtype=torch.int32, device="cuda")
+    flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lengths)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            out = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lengths, num_splits=2)
+    for new in ([100, 30], [400, 3]):
+        lengths.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        for b in range(batch):
+            n = new[b]
+            ref = flash_attn_with_kvcache(q[b : b + 1], cache.k[b : b + 1, :n].contiguous(),
+                                          cache.v[b : b + 1, :n].contiguous())
+            assert torch.allclose(out[b], ref[0], atol=2e-2, rtol=0), f"replay with lengths {new}"
