@@ -5,7 +5,8 @@ For every (batch, head, query row i):
     LSElog2_i  = LSE_i * log2(e)               so the main kernel computes P with one exp2 per entry
 
 Both are written to row-padded buffers (length a multiple of every m_block size) so the main
-kernel can read whole blocks without bounds checks. Rows past seqlen_q, and rows that saw no key
+kernel can read whole blocks without bounds checks. A packed variable-length batch (config.varlen,
+`call_varlen`) pads each sequence in one packed buffer (layouts.packed_stat_offset). Rows past seqlen_q, and rows that saw no key
 (LSE = -inf), get LSElog2 = +inf and D = 0: their probabilities exp2(s - inf) come out exactly 0.
 """
 
@@ -18,6 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from ..common.layouts import STAT_ROW_PAD, packed_stat_offset, sequence_rows, sequence_stat
 from ..common.softmax import LOG2_E
 from .config import Sm80BwdPreConfig
 
@@ -33,30 +35,62 @@ class FlashAttnBwdPreprocessSm80:
         assert head_dim % 8 == 0 and head_dim <= 256
         self.dtype = dtype
         self.head_dim = head_dim
+        self.varlen = config.varlen
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
                  mdPsum: cute.Tensor, stream: cuda.CUstream):
         grid = (cute.ceil_div(mLSElog2.shape[2], self.rows_per_cta), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum).launch(
+        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum, None, None).launch(
+            grid=grid, block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.jit
+    def call_varlen(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
+                    mdPsum: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_seqlen_q: cutlass.Int32,
+                    stream: cuda.CUstream):
+        """Packed sequences: mO, mdO (1, total_q, nheads, head_dim), mLSE (1, nheads, total_q),
+        mLSElog2 and mdPsum (1, nheads, total_q + STAT_ROW_PAD * batch)."""
+        rows = cute.ceil_div(max_seqlen_q, STAT_ROW_PAD) * STAT_ROW_PAD
+        grid = (cute.ceil_div(rows, self.rows_per_cta), mO.shape[2], mCuSeqlensQ.shape[0] - 1)
+        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum, mCuSeqlensQ, max_seqlen_q).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
-               mdPsum: cute.Tensor):
+               mdPsum: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: cutlass.Int32 | None):
         # One warp per row: lane l owns columns [8l, 8l + 8), so head_dim <= 256 needs one vector.
         lane = cute.arch.lane_idx()
         warp_id = cute.arch.warp_idx()
         block, head, batch = cute.arch.block_idx()
-        seqlen_q = mO.shape[1]
+        if cutlass.const_expr(self.varlen):
+            offset = mCuSeqlensQ[batch]
+            seqlen_q = mCuSeqlensQ[batch + 1] - offset
+            # the sequence's padded rows, up to where the next one's start
+            stat_rows = cute.ceil_div(seqlen_q, STAT_ROW_PAD) * STAT_ROW_PAD
+            if block * self.rows_per_cta < stat_rows:
+                self._rows(sequence_rows(mO, batch, head, offset), sequence_rows(mdO, batch, head, offset),
+                           sequence_stat(mLSE, batch, head, offset),
+                           sequence_stat(mLSElog2, batch, head, packed_stat_offset(offset, batch)),
+                           sequence_stat(mdPsum, batch, head, packed_stat_offset(offset, batch)),
+                           seqlen_q, stat_rows, lane, warp_id, block)
+        else:
+            self._rows(mO[batch, None, head, None], mdO[batch, None, head, None], mLSE[batch, head, None],
+                       mLSElog2[batch, head, None], mdPsum[batch, head, None], mO.shape[1], mLSElog2.shape[2],
+                       lane, warp_id, block)
+
+    @cute.jit
+    def _rows(self, mO, mdO, mLSE, mLSElog2, mdPsum, seqlen_q, stat_rows, lane, warp_id, block):
+        """The block's rows of one (sequence, head): mO, mdO (seqlen, head_dim), the statistics
+        (rows); rows from seqlen_q up to stat_rows get the padding values."""
         num_warps = self.num_threads // 32
         for r in cutlass.range(self.rows_per_cta // num_warps, unroll=1):
             row = block * self.rows_per_cta + r * num_warps + warp_id
             dot = Float32(0.0)
             if row < seqlen_q and lane * self.vec < self.head_dim:
-                gO = cute.local_tile(mO[batch, row, head, None], (self.vec,), (lane,))
-                gdO = cute.local_tile(mdO[batch, row, head, None], (self.vec,), (lane,))
+                gO = cute.local_tile(mO[row, None], (self.vec,), (lane,))
+                gdO = cute.local_tile(mdO[row, None], (self.vec,), (lane,))
                 rO = cute.make_fragment_like(gO)
                 rdO = cute.make_fragment_like(gdO)
                 cute.autovec_copy(gO, rO)
@@ -65,11 +99,11 @@ class FlashAttnBwdPreprocessSm80:
                 dot = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
             for offset in cutlass.range_constexpr(5):
                 dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << (4 - offset))
-            if lane == 0 and row < mLSElog2.shape[2]:
+            if lane == 0 and row < stat_rows:
                 lse_log2 = Float32.inf
                 if row < seqlen_q:
-                    lse = mLSE[batch, head, row]
+                    lse = mLSE[row]
                     if lse != -Float32.inf:
                         lse_log2 = lse * LOG2_E
-                mLSElog2[batch, head, row] = lse_log2
-                mdPsum[batch, head, row] = dot
+                mLSElog2[row] = lse_log2
+                mdPsum[row] = dot
