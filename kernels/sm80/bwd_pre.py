@@ -19,9 +19,17 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.layouts import STAT_ROW_PAD, packed_stat_offset, sequence_rows, sequence_stat
+from ..common.layouts import STAT_ROW_PAD, packed_stat_offset
 from ..common.softmax import LOG2_E
 from .config import Sm80BwdPreConfig
+
+
+def packed_row(batch, row, offsets, which: int):
+    """(batch index, row) of a sequence's `row`: as given in a dense batch (offsets None), else
+    shifted by offsets[which] in a packed tensor (batch index 0). Runs at trace time."""
+    if offsets is None:
+        return batch, row
+    return 0, offsets[which] + row
 
 
 class FlashAttnBwdPreprocessSm80:
@@ -70,27 +78,26 @@ class FlashAttnBwdPreprocessSm80:
             # the sequence's padded rows, up to where the next one's start
             stat_rows = cute.ceil_div(seqlen_q, STAT_ROW_PAD) * STAT_ROW_PAD
             if block * self.rows_per_cta < stat_rows:
-                self._rows(sequence_rows(mO, batch, head, offset), sequence_rows(mdO, batch, head, offset),
-                           sequence_stat(mLSE, batch, head, offset),
-                           sequence_stat(mLSElog2, batch, head, packed_stat_offset(offset, batch)),
-                           sequence_stat(mdPsum, batch, head, packed_stat_offset(offset, batch)),
-                           seqlen_q, stat_rows, lane, warp_id, block)
+                self._rows(mO, mdO, mLSE, mLSElog2, mdPsum, batch, head, seqlen_q, stat_rows, lane, warp_id, block,
+                           (offset, packed_stat_offset(offset, batch)))
         else:
-            self._rows(mO[batch, None, head, None], mdO[batch, None, head, None], mLSE[batch, head, None],
-                       mLSElog2[batch, head, None], mdPsum[batch, head, None], mO.shape[1], mLSElog2.shape[2],
-                       lane, warp_id, block)
+            self._rows(mO, mdO, mLSE, mLSElog2, mdPsum, batch, head, mO.shape[1], mLSElog2.shape[2], lane, warp_id,
+                       block, None)
 
     @cute.jit
-    def _rows(self, mO, mdO, mLSE, mLSElog2, mdPsum, seqlen_q, stat_rows, lane, warp_id, block):
-        """The block's rows of one (sequence, head): mO, mdO (seqlen, head_dim), the statistics
-        (rows); rows from seqlen_q up to stat_rows get the padding values."""
+    def _rows(self, mO, mdO, mLSE, mLSElog2, mdPsum, batch, head, seqlen_q, stat_rows, lane, warp_id, block,
+              offsets):
+        """The block's rows of one (sequence, head); rows from seqlen_q up to stat_rows get the
+        padding values. offsets: None (dense), or the sequence's first packed row and first row in
+        the packed statistics (whose batch index is 0)."""
         num_warps = self.num_threads // 32
         for r in cutlass.range(self.rows_per_cta // num_warps, unroll=1):
             row = block * self.rows_per_cta + r * num_warps + warp_id
             dot = Float32(0.0)
             if row < seqlen_q and lane * self.vec < self.head_dim:
-                gO = cute.local_tile(mO[row, None], (self.vec,), (lane,))
-                gdO = cute.local_tile(mdO[row, None], (self.vec,), (lane,))
+                b, r_o = packed_row(batch, row, offsets, 0)
+                gO = cute.local_tile(mO[b, r_o, head, None], (self.vec,), (lane,))
+                gdO = cute.local_tile(mdO[b, r_o, head, None], (self.vec,), (lane,))
                 rO = cute.make_fragment_like(gO)
                 rdO = cute.make_fragment_like(gdO)
                 cute.autovec_copy(gO, rO)
@@ -102,8 +109,10 @@ class FlashAttnBwdPreprocessSm80:
             if lane == 0 and row < stat_rows:
                 lse_log2 = Float32.inf
                 if row < seqlen_q:
-                    lse = mLSE[row]
+                    b, r_o = packed_row(batch, row, offsets, 0)
+                    lse = mLSE[b, head, r_o]
                     if lse != -Float32.inf:
                         lse_log2 = lse * LOG2_E
-                mLSElog2[row] = lse_log2
-                mdPsum[row] = dot
+                b, r_s = packed_row(batch, row, offsets, 1)
+                mLSElog2[b, head, r_s] = lse_log2
+                mdPsum[b, head, r_s] = dot
