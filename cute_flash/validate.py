@@ -388,7 +388,16 @@ def _check_unsupported_kvcache_options(rotary_cos, rotary_sin, cache_leftpad, wi
         raise UnsupportedArgumentError(
             "cache_leftpad is not supported: every sequence's cache starts at position 0; pass cache_leftpad=None"
         )
-    _check_unsupported_options(0.0, window_size, softcap, alibi_slopes)
+    # The decode kernel has no score modifications yet (flash_attn_func's kernels do).
+    if check_window(window_size) != (-1, -1):
+        raise UnsupportedArgumentError(
+            f"window_size={window_size!r} is not supported by flash_attn_with_kvcache yet; pass window_size=(-1, -1)")
+    if check_softcap(softcap) != 0.0:
+        raise UnsupportedArgumentError(
+            f"softcap={softcap} is not supported by flash_attn_with_kvcache yet; pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise UnsupportedArgumentError(
+            "alibi_slopes is not supported by flash_attn_with_kvcache yet; pass alibi_slopes=None")
 
 
 def _check_num_splits(num_splits) -> int:
@@ -417,6 +426,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     _require_rank4("v_cache", v_cache, cache_axes)
     _require_dtype(k_cache, v_cache, q.dtype)
     check_kernel_dtype(q.dtype)
+    if q.dtype == torch.float32:  # split TF32 lives in the training kernels only
+        raise UnsupportedDtypeError("flash_attn_with_kvcache takes torch.float16 or torch.bfloat16 (the decode "
+                                    "kernel is 16-bit), got torch.float32")
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
         raise DimensionMismatchError(
