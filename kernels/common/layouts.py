@@ -39,6 +39,9 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
         tensor: mX[batch, :, head, :] for a dense batch (offset None), or the packed tensor
         (1, total, heads, head_dim) from row `offset` (a runtime cu_seqlens entry) on.
 
+    offset, seqlen = sequence_bounds(mCuSeqlens, batch)
+        Sequence `batch`'s first packed row and length, read from its cu_seqlens (int32, device).
+
     sequence_stat(mX, batch, head, offset) -> cute.Tensor
         The same for a (batch, heads, seqlen) row statistic (LSE), packed (1, heads, total).
 
@@ -63,6 +66,11 @@ def sequence_rows(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:
     if offset is None:
         return mX[batch, None, head, None]
     return cute.domain_offset((offset, 0), mX[0, None, head, None])
+
+
+def sequence_bounds(mCuSeqlens: cute.Tensor, batch):
+    offset = mCuSeqlens[batch]
+    return offset, mCuSeqlens[batch + 1] - offset
 
 
 def sequence_stat(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:

@@ -53,6 +53,7 @@ from cute_flash.kernels.common.layouts import (
     packed_stat_offset,
     reshape_acc_to_mn,
     round_up,
+    sequence_bounds,
     sequence_rows,
     sequence_stat,
     smem_layout_atom,
@@ -393,13 +394,11 @@ class FlashAttnBwdSm80:
             alibi_scale, tidx, n_block, head, batch,
         )
         if cutlass.const_expr(self.varlen):
-            offset_q = mCuSeqlensQ[batch]
-            offset_k = mCuSeqlensK[batch]
-            seqlen_k = mCuSeqlensK[batch + 1] - offset_k
+            offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
+            offset_k, seqlen_k = sequence_bounds(mCuSeqlensK, batch)
             # the grid covers the longest sequence: key blocks past this one's end load nothing
             if n_block * self.n_block_size < seqlen_k:
-                key_block(mCuSeqlensQ[batch + 1] - offset_q, seqlen_k,
-                          (offset_q, offset_k, packed_stat_offset(offset_q, batch)))
+                key_block(seqlen_q, seqlen_k, (offset_q, offset_k, packed_stat_offset(offset_q, batch)))
         else:
             key_block(mQ.shape[1], mK.shape[1], None)
 

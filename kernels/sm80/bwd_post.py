@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import (
-    gmem_tiled_copy, packed_stat_offset, round_up, sequence_rows, sequence_stat, smem_layout_atom,
+    gmem_tiled_copy, packed_stat_offset, round_up, sequence_bounds, sequence_rows, sequence_stat, smem_layout_atom,
 )
 from cute_flash.kernels.sm80.config import Sm80BwdPostConfig
 from cute_flash.kernels.sm80.bwd import (
@@ -88,8 +88,7 @@ class FlashAttnBwdPostprocessSm80:
         block = partial(self._block, mdQaccum, mdQ, softmax_scale, tiled_mma, s2g, sdQ_layout, SharedStorage, tidx,
                         m_block, head, batch)
         if cutlass.const_expr(self.varlen):
-            offset = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset
+            offset, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
             if m_block * m < seqlen_q:  # query blocks past the sequence's end have nothing to write
                 block(seqlen_q, (offset, packed_stat_offset(offset, batch) * d))
         else:

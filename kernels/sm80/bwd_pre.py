@@ -19,7 +19,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.layouts import STAT_ROW_PAD, packed_stat_offset
+from ..common.layouts import STAT_ROW_PAD, packed_stat_offset, sequence_bounds
 from ..common.softmax import LOG2_E
 from .config import Sm80BwdPreConfig
 
@@ -73,8 +73,7 @@ class FlashAttnBwdPreprocessSm80:
         warp_id = cute.arch.warp_idx()
         block, head, batch = cute.arch.block_idx()
         if cutlass.const_expr(self.varlen):
-            offset = mCuSeqlensQ[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset
+            offset, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
             # the sequence's padded rows, up to where the next one's start
             stat_rows = cute.ceil_div(seqlen_q, STAT_ROW_PAD) * STAT_ROW_PAD
             if block * self.rows_per_cta < stat_rows:

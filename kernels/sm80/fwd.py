@@ -41,6 +41,7 @@ from ..common.layouts import (
     gmem_tiled_copy,
     reshape_acc_to_frgA,
     reshape_acc_to_mn,
+    sequence_bounds,
     sequence_rows,
     sequence_stat,
     smem_layout_atom,
@@ -324,12 +325,11 @@ class FlashAttnFwdSm80:
             alibi_scale, tidx, m_block, head, batch,
         )
         if cutlass.const_expr(self.varlen):
-            offset_q = mCuSeqlensQ[batch]
-            offset_k = mCuSeqlensK[batch]
-            seqlen_q = mCuSeqlensQ[batch + 1] - offset_q
+            offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
+            offset_k, seqlen_k = sequence_bounds(mCuSeqlensK, batch)
             # the grid covers the longest sequence: blocks past this one's end load nothing
             if m_block * self.tile_m < seqlen_q:
-                tile(seqlen_q, mCuSeqlensK[batch + 1] - offset_k, (offset_q, offset_k))
+                tile(seqlen_q, seqlen_k, (offset_q, offset_k))
         else:
             tile(mQ.shape[1], mK.shape[1], None)
 

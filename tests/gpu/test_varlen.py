@@ -6,6 +6,7 @@ on the H100 too.
 Batches hold sequences of length 0 and 1, ragged lengths up to 4k, seqlen_q != seqlen_k per
 sequence, a sequence with queries and no keys, and rows before the first sequence (cu_seqlens[0] > 0)
 whose outputs are unspecified and whose gradients stay untouched (given buffers) or zero (autograd).
+`python -m tests.gpu.test_varlen --warm` compiles every kernel the tests run, several at once.
 """
 
 from __future__ import annotations
@@ -165,3 +166,47 @@ def test_bad_cu_seqlens_values_raise_before_anything_runs():
         cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, max_k)
     with pytest.raises(cute_flash.CudaError, match="different devices"):
         cute_flash.flash_attn_varlen_func(q, k, v, cu_q.cpu(), cu_k, max_q, max_k)
+
+
+def _jobs():
+    """(dtype, head dim, causal, mods flags, deterministic, gqa) of every kernel set the tests run."""
+    from cute_flash.validate import score_mods
+
+    jobs = set()
+    cases = [(config, causal, {}, False) for config in CONFIGS for causal in (False, True)]
+    cases += [((torch.float32, 64, 2, 1), True, {}, False), ((torch.float16, 64, 2, 2), True, {}, False),
+              (CONFIGS[0], True, {}, True)]
+    every = dict(window_size=(96, 33), softcap=20.0, alibi_slopes=True)
+    cases += [(CONFIGS[0], causal, every, False) for causal in (False, True)]
+    for (dtype, head_dim, nheads, nheads_kv), causal, mods, det in cases:
+        kernel = score_mods(causal, mods.get("window_size", (-1, -1)), mods.get("softcap", 0.0),
+                            mods.get("alibi_slopes"), max(LENGTHS_Q), max(LENGTHS_K))
+        jobs.add((str(dtype), head_dim, kernel.causal, kernel.flags, det, nheads != nheads_kv))
+    return sorted(jobs, key=str)
+
+
+def _compile(job):
+    from cute_flash import dispatch
+
+    dtype, head_dim, causal, flags, det, gqa = job
+    dtype = getattr(torch, dtype.split(".")[-1])
+    capability = torch.cuda.get_device_capability()
+    plans = [dispatch.plan_forward(capability, dtype, head_dim, causal, mods=flags, varlen=True)]
+    backward = dispatch.plan_backward(capability, dtype, head_dim, causal, det, gqa, mods=flags, varlen=True)
+    for plan in plans + [backward.pre, backward.main, backward.post]:
+        plan.compiled()
+    return job
+
+
+if __name__ == "__main__":  # python -m tests.gpu.test_varlen --warm: compile the tests' kernels in parallel
+    import multiprocessing
+    import os
+    import sys
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    if "--warm" in sys.argv:
+        start = time.time()
+        with ProcessPoolExecutor(os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
+            done = list(pool.map(_compile, _jobs()))
+        print(f"warm: {len(done)} jobs in {time.time() - start:.0f} s")
