@@ -572,13 +572,14 @@ class VarlenProblem(NamedTuple):
 
 
 def _check_max_seqlen(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    # (torch.compile may trace it as a SymInt)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise InvalidDimensionError(
             f"{name} must be a Python int (it sizes the launch grid without a host synchronization), "
             f"got {type(value).__name__} {value!r}")
     if value < 0:
         raise InvalidDimensionError(f"{name} must be >= 0, got {value}")
-    return int(value)
+    return value if isinstance(value, torch.SymInt) else int(value)
 
 
 def _check_cu_seqlens(name: str, t, batch: int | None) -> int:

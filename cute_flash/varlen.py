@@ -89,8 +89,8 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
         lse = torch.empty(problem.nheads, problem.total_q, dtype=torch.float32, device=device)
         q_k, scale_k = _uniform_scores(q, scale)
         # A grid needs one block column: an all-empty batch launches CTAs that exit at once.
-        launch(q_k[None], kernel_input(k)[None], kernel_input(v)[None], out[None], lse[None], cu_seqlens_q,
-               cu_seqlens_k, max(problem.max_seqlen_q, 1), scale_k, *mod_args)
+        launch(q_k[None], kernel_input(k)[None], kernel_input(v)[None], out[None], lse[None], cu_seqlens_q.contiguous(),
+               cu_seqlens_k.contiguous(), max(problem.max_seqlen_q, 1), scale_k, *mod_args)
     return out, lse
 
 
@@ -106,7 +106,6 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     check_like("dout", dout, q.shape, q.dtype)
     check_like("out", out, q.shape, q.dtype)
     check_like("lse", lse, (problem.nheads, problem.total_q), torch.float32)
-    grads = []
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
             check_like(name, grad, like.shape, like.dtype)
@@ -114,19 +113,19 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     deterministic = check_flag("deterministic", deterministic)
     with _on(device):
-        for grad, like in ((dq, q), (dk, k), (dv, v)):
-            # the kernels write 16-byte rows: a given gradient they cannot address is filled from a copy
-            view = None if grad is None else kernel_input(grad)
-            grads.append(torch.zeros_like(like, memory_format=torch.contiguous_format) if grad is None else view)
+        # zeros on rows of no sequence; a given gradient the kernels cannot address is filled from a copy
+        grads = [torch.zeros_like(like, memory_format=torch.contiguous_format) if grad is None else kernel_input(grad)
+                 for grad, like in ((dq, q), (dk, k), (dv, v))]
         gqa = problem.nheads != problem.nheads_kv
         launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, mods.causal,
                            deterministic, gqa, mods.flags)
         q_k, scale_k = _uniform_scores(q, scale)
         launch(kernel_input(dout), q_k, kernel_input(k), kernel_input(v), kernel_input(out), kernel_input(lse, 4),
-               *grads, cu_seqlens_q, cu_seqlens_k, max(problem.max_seqlen_q, 1), max(problem.max_seqlen_k, 1),
-               scale_k, *mod_args)
-        if scale == 0.0:
-            grads[0].zero_()  # as api.backward
+               *grads, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max(problem.max_seqlen_q, 1),
+               max(problem.max_seqlen_k, 1), scale_k, *mod_args)
+        if scale == 0.0:  # as api.backward, on the sequences' rows only
+            inside = torch.arange(problem.total_q, device=device) >= cu_seqlens_q[0]
+            grads[0].masked_fill_(inside[:, None, None], 0.0)
         for given, written in zip((dq, dk, dv), grads):
             if given is not None and written.data_ptr() != given.data_ptr():
                 given.copy_(written)

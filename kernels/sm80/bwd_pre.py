@@ -49,7 +49,7 @@ class FlashAttnBwdPreprocessSm80:
     def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
                  mdPsum: cute.Tensor, stream: cuda.CUstream):
         grid = (cute.ceil_div(mLSElog2.shape[2], self.rows_per_cta), mO.shape[2], mO.shape[0])
-        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum, None, None).launch(
+        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum, None).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
@@ -61,13 +61,13 @@ class FlashAttnBwdPreprocessSm80:
         mLSElog2 and mdPsum (1, nheads, total_q + STAT_ROW_PAD * batch)."""
         rows = cute.ceil_div(max_seqlen_q, STAT_ROW_PAD) * STAT_ROW_PAD
         grid = (cute.ceil_div(rows, self.rows_per_cta), mO.shape[2], mCuSeqlensQ.shape[0] - 1)
-        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum, mCuSeqlensQ, max_seqlen_q).launch(
+        self.kernel(mO, mdO, mLSE, mLSElog2, mdPsum, mCuSeqlensQ).launch(
             grid=grid, block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSElog2: cute.Tensor,
-               mdPsum: cute.Tensor, mCuSeqlensQ: cute.Tensor | None, max_seqlen_q: cutlass.Int32 | None):
+               mdPsum: cute.Tensor, mCuSeqlensQ: cute.Tensor | None):
         # One warp per row: lane l owns columns [8l, 8l + 8), so head_dim <= 256 needs one vector.
         lane = cute.arch.lane_idx()
         warp_id = cute.arch.warp_idx()

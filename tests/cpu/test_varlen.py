@@ -217,15 +217,17 @@ def test_ops_propagate_shapes_under_fake_tensors():
             torch.ops.cute_flash.varlen_forward(q, k, v, cu, cu[:3], 128, 128, 0.125, True)
 
 
-def test_torch_compile_fullgraph_keeps_the_ops(kernels):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_torch_compile_fullgraph_keeps_the_ops(kernels, dynamic):
     q, k, v, cu_q, cu_k, mq, mk = packed([4, 6], grad=True)
 
-    def step(q, k, v, cu_q, cu_k):
+    def step(q, k, v, cu_q, cu_k, mq, mk):
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, mq, mk, causal=True).square().sum()
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    loss = compiled(q, k, v, cu_q, cu_k)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    loss = compiled(q, k, v, cu_q, cu_k, mq, mk)
     grads = torch.autograd.grad(loss, (q, k, v))
-    ref_grads = torch.autograd.grad(step(q, k, v, cu_q, cu_k), (q, k, v))
+    ref_grads = torch.autograd.grad(step(q, k, v, cu_q, cu_k, mq, mk), (q, k, v))
     for got, ref in zip(grads, ref_grads):
         torch.testing.assert_close(got, ref)
