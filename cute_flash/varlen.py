@@ -22,14 +22,14 @@ from typing import Any, Optional
 
 import torch
 
-from . import device as devices
 from . import dispatch, fallback
-from .api import _launcher, _like, _on, _score_mods, _uniform_scores, kernel_input
+from .api import _launcher, _on, _score_mods, _uniform_scores, kernel_input
 from .autograd import results
 from .errors import UnsupportedArgumentError
 from .launchers import backward_varlen_launcher, forward_launcher
 from .validate import (
-    Problem, check_alibi_slopes, check_device, check_flag, check_flash_attn_options, check_like, check_softmax_scale, check_varlen,
+    Problem, check_alibi_slopes, check_device, check_flag, check_flash_attn_options, check_like, check_softmax_scale,
+    check_varlen,
     raise_for_values, reads_values, require_torch_tensor, varlen_value_flags, varlen_value_messages,
 )
 
@@ -185,7 +185,8 @@ def _save_for_backward(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-_NO_INPUT_GRADS = (None,) * 11  # cu_seqlens (2), max_seqlen (2), scale, causal, deterministic, window (2), softcap, slopes
+# cu_seqlens (2), max_seqlen (2), softmax_scale, causal, deterministic, window sides (2), softcap, slopes
+_NO_INPUT_GRADS = (None,) * 11
 
 
 def _backward(ctx, dout, _dlse):

@@ -30,7 +30,8 @@ def _check(plan, mma):
     assert plan.family == "sm80" and plan.entry == "call_varlen" and plan.config.varlen
     kernel, args = plan.build()
     report = compile_report(kernel, args, arch=plan.arch)
-    assert report.spill_bytes == 0, f"{plan.kernel_cls.__name__}: {report.registers} registers, {report.spill_bytes} B spilled"
+    assert report.spill_bytes == 0, \
+        f"{plan.kernel_cls.__name__}: {report.registers} registers, {report.spill_bytes} B spilled"
     if mma:
         assert mma in report.ptx
     return report

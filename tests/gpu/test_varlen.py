@@ -51,7 +51,8 @@ def check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods):
     """Each sequence's out, lse and gradients against the dense yardstick on that sequence alone."""
     dq, dk, dv = grads
     for b, rows_q, rows_k in sequences(cu_q, cu_k):
-        if rows_q.start == rows_q.stop:
+        if rows_q.start == rows_q.stop:  # keys no query sees: no gradient
+            assert torch.all(dk[rows_k] == 0) and torch.all(dv[rows_k] == 0)
             continue
         if rows_k.start == rows_k.stop:  # queries without keys: out 0, lse -inf, no gradient
             assert torch.all(out[rows_q] == 0) and torch.all(torch.isneginf(lse[:, rows_q]))
@@ -83,6 +84,8 @@ def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **
                                dv=grads[2], causal=causal, deterministic=deterministic, **mods)
     for grad in grads:
         assert torch.all(grad[:LEAD] == 7.0), "rows of no sequence were written"
+        assert torch.isfinite(grad[LEAD:]).all(), "a row of a sequence was not written"
+    assert torch.isfinite(out[LEAD:]).all()
     return out, lse, grads
 
 
