@@ -29,8 +29,7 @@ from .errors import UnsupportedArgumentError
 from .launchers import backward_varlen_launcher, forward_launcher
 from .validate import (
     Problem, check_alibi_slopes, check_device, check_flag, check_flash_attn_options, check_like, check_softmax_scale,
-    check_varlen,
-    raise_for_values, reads_values, require_torch_tensor, varlen_value_flags, varlen_value_messages,
+    check_varlen, raise_for_values, reads_values, require_torch_tensor, varlen_value_flags, varlen_value_messages,
 )
 
 __all__ = ["flash_attn_varlen_func", "forward_varlen", "backward_varlen"]
@@ -100,16 +99,17 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
     """Gradients of a packed batch w.r.t. q, k, v (torch tensors). `lse` is forward_varlen's.
     dq, dk, dv are written when given (rows of no sequence left untouched) and returned; else
     they are new tensors, zero on rows of no sequence."""
-    extra = {"dout": dout, "out": out, "lse": lse}
-    problem, mods, mod_args, device = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               causal, window_size, softcap, alibi_slopes, check_values, extra)
+    problem = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     check_like("dout", dout, q.shape, q.dtype)
     check_like("out", out, q.shape, q.dtype)
     check_like("lse", lse, (problem.nheads, problem.total_q), torch.float32)
+    extra = {"dout": dout, "out": out, "lse": lse}
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
             check_like(name, grad, like.shape, like.dtype)
-            check_device({"q": q, name: grad})
+            extra[name] = grad
+    problem, mods, mod_args, device = _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               causal, window_size, softcap, alibi_slopes, check_values, extra)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     deterministic = check_flag("deterministic", deterministic)
     with _on(device):

@@ -231,3 +231,17 @@ def test_torch_compile_fullgraph_keeps_the_ops(kernels, dynamic):
     ref_grads = torch.autograd.grad(step(q, k, v, cu_q, cu_k, mq, mk), (q, k, v))
     for got, ref in zip(grads, ref_grads):
         torch.testing.assert_close(got, ref)
+
+
+def test_backward_checks_its_tensors_before_anything_runs(monkeypatch):
+    monkeypatch.setattr(varlen, "_launcher", lambda *args: pytest.fail("a kernel was planned"))
+    q, k, v, cu_q, cu_k, mq, mk = packed([3, 5])
+    lse = torch.zeros(4, 8)
+    call = varlen.backward_varlen
+    expect(ErrorCode.NULL_POINTER, TypeError, call, None, q, k, v, q, lse, cu_q, cu_k, mq, mk)
+    expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, q, k, v, q, lse[:, :7], cu_q, cu_k, mq, mk)
+    expect(ErrorCode.UNSUPPORTED_DTYPE, TypeError, call, q, q, k, v, q, lse.double(), cu_q, cu_k, mq, mk)
+    expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, q, k, v, q, lse, cu_q, cu_k, mq, mk, dk=q)
+    msg = expect(ErrorCode.CUDA_ERROR, RuntimeError, call, q, q, k, v, q, lse, cu_q, cu_k, mq, mk,
+                 dv=v.to("meta"))
+    assert "dv on meta" in msg
