@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_with_kvcache",
+    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
     "forward", "backward",
     "ring_flash_attn_func", "reference_attention", "CuteFlashError", "ErrorCode", "CudaError", "DimensionMismatchError",
     "InvalidDimensionError", "MissingDependencyError", "MissingTensorError", "OutOfMemoryError",
@@ -32,7 +33,8 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
-    if name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func"):
+    if name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
+                "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"):
         from . import flash_attn_interface
 
         return getattr(flash_attn_interface, name)

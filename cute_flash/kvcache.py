@@ -22,6 +22,7 @@ from .errors import InvalidDimensionError
 from .launchers import decode_launcher
 from .validate import (
     check_device, check_flag, check_kvcache, check_softmax_scale, kvcache_value_flags, raise_for_kvcache_values,
+    reads_values,
 )
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -123,7 +124,7 @@ def flash_attn_with_kvcache(
     device = check_device(tensors)
     k_cache_k, v_cache_k = _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache)
     with _on(device):
-        if VALUE_CHECKS and not torch.cuda.is_current_stream_capturing():
+        if reads_values(VALUE_CHECKS):
             flags = kvcache_value_flags(problem, cache_seqlens, cache_batch_idx, block_table, device)
             if flags is not None:
                 raise_for_kvcache_values(flags.tolist(), problem)

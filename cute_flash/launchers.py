@@ -2,6 +2,8 @@
 
     forward_launcher(plan)    -> launch(q, k, v, out, lse, softmax_scale[, *score_mods])
     backward_launcher(plan)   -> launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale[, *score_mods])
+    backward_varlen_launcher(plan) -> launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
+                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, *score_mods)
     decode_launcher(plan)     -> launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new,
                                         batch_idx, block_table, softmax_scale, num_splits)
 
@@ -32,7 +34,7 @@ from typing import Callable
 import torch
 
 from .dispatch import BackwardPlan, DecodePlan, Plan
-from .kernels.common.layouts import round_up
+from .kernels.common.layouts import STAT_ROW_PAD, round_up
 from .kernels.sm90.config import Sm90FwdConfig
 from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_work
 
@@ -173,6 +175,50 @@ def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse,
         group = nheads // nheads_kv
         dk.copy_(dk_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))
         dv.copy_(dv_out.view(batch, seqlen_k, nheads_kv, group, head_dim).sum(3))
+
+
+def backward_varlen_launcher(plan: BackwardPlan) -> Callable:
+    """`launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+    max_seqlen_k, softmax_scale, *score_mods)` for a packed variable-length backward plan (the three
+    kernels' `call_varlen`): q, dq (total_q, nheads, hd), k, v, dk, dv (total_k, nheads_kv, hd),
+    lse (nheads, total_q). Row statistics and the dQ sums live in packed buffers where sequence b
+    starts at kernels.common.layouts.packed_stat_offset; the dQ semaphores stay per (sequence, head,
+    query block of the longest sequence). Rows of dq, dk, dv outside every sequence keep their values."""
+    pre, main, post = (p.compiled() for p in (plan.pre, plan.main, plan.post))
+
+    def launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               softmax_scale, *mods):
+        total_q, nheads, head_dim = q.shape
+        total_k, nheads_kv = k.shape[0], k.shape[1]
+        batch = cu_seqlens_q.shape[0] - 1
+        device, f32 = q.device, torch.float32
+        rows = total_q + STAT_ROW_PAD * batch
+        lse_log2 = torch.empty(1, nheads, rows, dtype=f32, device=device)
+        dpsum = torch.empty(1, nheads, rows, dtype=f32, device=device)
+        dq_accum = torch.zeros(1, nheads, rows * round_up(head_dim, 32), dtype=f32, device=device)
+        if plan.deterministic:
+            m_blocks = -(-max_seqlen_q // plan.m_block_size)
+            semaphore = torch.zeros(batch, nheads, m_blocks, dtype=torch.int32, device=device)
+        else:
+            semaphore = torch.empty(1, 1, 1, dtype=torch.int32, device=device)  # never read
+        if plan.gqa:
+            dk_out = torch.empty(1, total_k, nheads, head_dim, dtype=f32, device=device)
+            dv_out = torch.empty(1, total_k, nheads, head_dim, dtype=f32, device=device)
+        else:
+            dk_out, dv_out = dk[None], dv[None]
+        pre(out[None], dout[None], lse[None], lse_log2, dpsum, cu_seqlens_q, max_seqlen_q)
+        main(q[None], k[None], v[None], dout[None], lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore,
+             cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, *mods)
+        post(dq_accum, dq[None], cu_seqlens_q, max_seqlen_q, softmax_scale)
+        if plan.gqa:
+            # Rows before the first sequence were never written: they keep dk / dv's values.
+            inside = (torch.arange(total_k, device=device) >= cu_seqlens_k[0])[:, None, None]
+            group = nheads // nheads_kv
+            for grad, per_head in ((dk, dk_out), (dv, dv_out)):
+                summed = per_head.view(total_k, nheads_kv, group, head_dim).sum(2)
+                grad.copy_(torch.where(inside, summed.to(grad.dtype), grad))
+
+    return launch
 
 
 _decode_unused: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}

@@ -89,3 +89,37 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softm
     out = torch.matmul(probs, vh).transpose(1, 2)
     lse = (torch.log(denom) + row_max).squeeze(-1)
     return out, lse
+
+
+def reference_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                               cu_seqlens_k: torch.Tensor, softmax_scale: float | None = None, causal: bool = False,
+                               window_size=(-1, -1), softcap: float = 0.0,
+                               alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference_attention` of a packed variable-length batch, sequence by sequence, differentiable.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); sequence b holds rows
+    cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1 of q and likewise of k and v (cu_seqlens read on the
+    host: this is a test oracle). Masks, cap and bias apply per sequence with its own lengths;
+    alibi_slopes (nheads,) or (batch, nheads). Returns out (total_q, nheads, headdim) float64 and
+    lse (nheads, total_q) float64; rows of no sequence, and rows of a sequence without keys, give
+    out = 0 and lse = -inf.
+    """
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    nheads, head_dim = q.shape[1], q.shape[2]
+    outs = [q.new_zeros((starts_q[0], nheads, head_dim), dtype=torch.float64)]
+    lses = [q.new_full((nheads, starts_q[0]), float("-inf"), dtype=torch.float64)]
+    for b in range(len(starts_q) - 1):
+        q_b = q[starts_q[b]:starts_q[b + 1]]
+        k_b, v_b = k[starts_k[b]:starts_k[b + 1]], v[starts_k[b]:starts_k[b + 1]]
+        if q_b.shape[0] == 0:
+            continue
+        if k_b.shape[0] == 0:  # no key: every row sees none
+            outs.append(q_b.new_zeros(q_b.shape, dtype=torch.float64))
+            lses.append(q_b.new_full((nheads, q_b.shape[0]), float("-inf"), dtype=torch.float64))
+            continue
+        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b]
+        out_b, lse_b = reference_attention(q_b[None], k_b[None], v_b[None], softmax_scale, causal, window_size,
+                                           softcap, slopes)
+        outs.append(out_b[0])
+        lses.append(lse_b[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)

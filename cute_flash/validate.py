@@ -285,14 +285,15 @@ def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slop
             check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
 
 
-def check_packed(name: str, t, count: int, axes: str) -> None:
-    """A packed input such as qkv (batch, seqlen, 3, nheads, headdim): `count` tensors along dim 2."""
+def check_packed(name: str, t, count: int, axes: str, axis: int = 2) -> None:
+    """A packed input such as qkv (batch, seqlen, 3, nheads, headdim): `count` tensors along dim
+    `axis`, followed by (heads, headdim); the packed varlen forms (total, 3, nheads, headdim) take axis 1."""
     require_torch_tensor(name, t)
-    if t.dim() != 5:
-        raise InvalidDimensionError(f"{name} must have 5 dimensions {axes}, got shape {tuple(t.shape)}")
-    if t.shape[2] != count:
+    if t.dim() != axis + 3:
+        raise InvalidDimensionError(f"{name} must have {axis + 3} dimensions {axes}, got shape {tuple(t.shape)}")
+    if t.shape[axis] != count:
         raise DimensionMismatchError(
-            f"{name} must hold {count} tensors along dimension 2 {axes}, got shape {tuple(t.shape)}"
+            f"{name} must hold {count} tensors along dimension {axis} {axes}, got shape {tuple(t.shape)}"
         )
 
 
@@ -387,7 +388,16 @@ def _check_unsupported_kvcache_options(rotary_cos, rotary_sin, cache_leftpad, wi
         raise UnsupportedArgumentError(
             "cache_leftpad is not supported: every sequence's cache starts at position 0; pass cache_leftpad=None"
         )
-    _check_unsupported_options(0.0, window_size, softcap, alibi_slopes)
+    # The decode kernel has no score modifications yet (flash_attn_func's kernels do).
+    if check_window(window_size) != (-1, -1):
+        raise UnsupportedArgumentError(
+            f"window_size={window_size!r} is not supported by flash_attn_with_kvcache yet; pass window_size=(-1, -1)")
+    if check_softcap(softcap) != 0.0:
+        raise UnsupportedArgumentError(
+            f"softcap={softcap} is not supported by flash_attn_with_kvcache yet; pass softcap=0.0")
+    if alibi_slopes is not None:
+        raise UnsupportedArgumentError(
+            "alibi_slopes is not supported by flash_attn_with_kvcache yet; pass alibi_slopes=None")
 
 
 def _check_num_splits(num_splits) -> int:
@@ -416,6 +426,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqle
     _require_rank4("v_cache", v_cache, cache_axes)
     _require_dtype(k_cache, v_cache, q.dtype)
     check_kernel_dtype(q.dtype)
+    if q.dtype == torch.float32:  # split TF32 lives in the training kernels only
+        raise UnsupportedDtypeError("flash_attn_with_kvcache takes torch.float16 or torch.bfloat16 (the decode "
+                                    "kernel is 16-bit), got torch.float32")
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
         raise DimensionMismatchError(
@@ -525,6 +538,113 @@ def raise_for_kvcache_values(flags: list[bool], problem: KVCacheProblem) -> None
         f"block_table has a negative entry, or one >= num_blocks ({problem.cache_entries}), among the blocks "
         "the sequences use",
     )
-    for broken, message in zip(flags, messages):
+    raise_for_values(flags, messages)
+
+
+# ---- values read back from the device: one synchronization per call --------------------------------
+def reads_values(switch: bool) -> bool:
+    """Whether a call reads back the checks of its tensors' values now: when its API's `switch` is
+    on and no CUDA graph is being captured (a capture cannot synchronize)."""
+    return switch and not torch.cuda.is_current_stream_capturing()
+
+
+def raise_for_values(flags, messages) -> None:
+    """The typed error for the first broken rule: `flags` (a bool tensor or list, one per rule,
+    evaluated on the device) read back in one synchronization, `messages` the rules' errors."""
+    for broken, message in zip(flags.tolist() if isinstance(flags, torch.Tensor) else flags, messages):
         if broken:
             raise InvalidDimensionError(message)
+
+
+# ---- packed variable-length batches (flash_attn_varlen_func) ----------------------------------------
+class VarlenProblem(NamedTuple):
+    """The sizes of one flash_attn_varlen_func call, read off validated inputs (no tensor values)."""
+
+    batch: int
+    total_q: int
+    total_k: int
+    nheads: int
+    nheads_kv: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    dtype: torch.dtype
+
+
+def _check_max_seqlen(name: str, value) -> int:
+    # (torch.compile may trace it as a SymInt)
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise InvalidDimensionError(
+            f"{name} must be a Python int (it sizes the launch grid without a host synchronization), "
+            f"got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise InvalidDimensionError(f"{name} must be >= 0, got {value}")
+    return value if isinstance(value, torch.SymInt) else int(value)
+
+
+def _check_cu_seqlens(name: str, t, batch: int | None) -> int:
+    _require_tensor(name, t)
+    if t.dtype != torch.int32:
+        raise UnsupportedDtypeError(f"{name} must be torch.int32, got {t.dtype}")
+    if t.dim() != 1:
+        raise InvalidDimensionError(f"{name} must be 1-D (batch + 1,), got shape {tuple(t.shape)}")
+    if t.shape[0] < 2:
+        raise DimensionMismatchError(f"{name} must have batch + 1 >= 2 entries, got {t.shape[0]}")
+    if batch is not None and t.shape[0] != batch + 1:
+        raise DimensionMismatchError(
+            f"{name} must have batch + 1 = {batch + 1} entries (as cu_seqlens_q), got {t.shape[0]}")
+    return t.shape[0] - 1
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> VarlenProblem:
+    """Every rule of flash_attn_varlen_func that needs no tensor's values (those are
+    `varlen_value_flags`): q (total_q, nheads, headdim), k and v (total_k, nheads_kv, headdim),
+    cu_seqlens int32 (batch + 1,), max_seqlen_* ints. Not the device (see `check_device`)."""
+    for name, t, axes in (("q", q, "(total_q, nheads, headdim)"), ("k", k, "(total_k, nheads_kv, headdim)"),
+                          ("v", v, "(total_k, nheads_kv, headdim)")):
+        _require_tensor(name, t)
+        if t.dim() != 3:
+            raise InvalidDimensionError(f"{name} must have 3 dimensions {axes} (packed sequences), "
+                                        f"got shape {tuple(t.shape)}")
+        if min(t.shape) <= 0:
+            raise InvalidDimensionError(f"{name} must have no empty dimension {axes}, got shape {tuple(t.shape)}")
+    _require_dtype(k, v, q.dtype)
+    # the dense rules on (1, total, heads, head_dim) views: heads, head dims, k == v
+    _check_qkv_shapes(q[None], k[None], v[None])
+    total_q, nheads, head_dim = q.shape
+    if head_dim % HEAD_DIM_MULTIPLE != 0 or head_dim > MAX_HEAD_DIM:
+        raise UnsupportedHeadDimError(
+            f"head dim {head_dim} is not supported; supported: every multiple of {HEAD_DIM_MULTIPLE} "
+            f"from {HEAD_DIM_MULTIPLE} to {MAX_HEAD_DIM}")
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, None)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, batch)
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k)
+    if batch > MAX_GRID_Z:
+        raise InvalidDimensionError(f"batch {batch} exceeds {MAX_GRID_Z}, the kernels' grid limit; split the batch")
+    return VarlenProblem(batch, total_q, k.shape[0], nheads, k.shape[1], head_dim, max_q, max_k, q.dtype)
+
+
+def varlen_value_flags(problem: VarlenProblem, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
+    """The rules on cu_seqlens' values, evaluated on the device into one bool tensor, one flag per
+    message of `varlen_value_messages`. Reading it is the one host synchronization of a checked call."""
+    flags = []
+    for cu, total, longest in ((cu_seqlens_q, problem.total_q, problem.max_seqlen_q),
+                               (cu_seqlens_k, problem.total_k, problem.max_seqlen_k)):
+        lengths = cu[1:] - cu[:-1]
+        flags += [cu[0] < 0, (lengths < 0).any(), cu[-1] != total, (lengths > longest).any()]
+    return torch.stack(flags)
+
+
+def varlen_value_messages(problem: VarlenProblem) -> tuple[str, ...]:
+    return tuple(
+        message
+        for side, total, longest in (("q", problem.total_q, problem.max_seqlen_q),
+                                     ("k", problem.total_k, problem.max_seqlen_k))
+        for message in (
+            f"cu_seqlens_{side} must start at an offset >= 0",
+            f"cu_seqlens_{side} must be non-decreasing",
+            f"the last entry of cu_seqlens_{side} must equal the number of packed {side} tokens ({total})",
+            f"max_seqlen_{side}={longest} is smaller than a sequence of cu_seqlens_{side}",
+        )
+    )

@@ -1,11 +1,11 @@
-"""`python -m cute_flash.perf bench|dashboard|cp|decode ...`."""
+"""`python -m cute_flash.perf bench|dashboard|cp|decode|varlen ...`."""
 
 from __future__ import annotations
 
 import sys
 
-COMMANDS = ("bench", "dashboard", "cp", "decode")
-USAGE = ("usage: python -m cute_flash.perf {bench,dashboard,cp,decode} [options]  (--help after any for its options; "
+COMMANDS = ("bench", "dashboard", "cp", "decode", "varlen")
+USAGE = ("usage: python -m cute_flash.perf {bench,dashboard,cp,decode,varlen} [options]  (--help after any for its options; "
          "cp on several GPUs: torchrun --nproc_per_node=N -m cute_flash.perf.cp)")
 
 
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
         from .dashboard import main as run
     elif argv[0] == "decode":
         from .decode import main as run
+    elif argv[0] == "varlen":
+        from .varlen import main as run
     else:
         from .cp import main as run
     return run(argv[1:])

@@ -184,8 +184,13 @@ def decode_suite() -> Suite:
                  unavailable="KV-cache decode has its own runner: python -m cute_flash.perf decode (perf/decode.py)")
 
 
+def varlen_suite() -> Suite:
+    return Suite("varlen", "packed variable-length batches vs the same tokens padded", "bf16",
+                 unavailable="packed batches have their own runner: python -m cute_flash.perf varlen (perf/varlen.py)")
+
+
 SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "fp32": fp32_suite, "mods": mods_suite,
-          "decode": decode_suite}
+          "decode": decode_suite, "varlen": varlen_suite}
 
 
 def get_suite(name: str) -> Suite:

@@ -24,6 +24,7 @@ CUTE_FLASH_KERNEL_ARCH=sm80 cute-flash warmup --jobs "$JOBS" --head-dims "$HEAD_
 cute-flash warmup --jobs "$JOBS" --dtypes fp32 --head-dims 32,64,128,256 --gqa 2>&1 | tail -1
 python3 -m tests.gpu.warm_sweep --jobs "$JOBS" 2>&1 | tail -1
 python3 -m tests.gpu.test_window_softcap_alibi --warm 2>&1 | tail -1
+python3 -m tests.gpu.test_varlen --warm 2>&1 | tail -1
 echo "warmup: $(( $(date +%s) - start )) s"
 status=0
 if [ "$sanitize" = 1 ]; then

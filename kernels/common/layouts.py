@@ -34,6 +34,23 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
         the row compared through thread 0's compile-time coordinates. `col_pred(tXgX, tXcX)`, when
         given, returns the column predicate of a padded head dim.
 
+    sequence_rows(mX, batch, head, offset) -> cute.Tensor
+        The (seqlen, head_dim) rows of one sequence and head of a (batch, seqlen, heads, head_dim)
+        tensor: mX[batch, :, head, :] for a dense batch (offset None), or the packed tensor
+        (1, total, heads, head_dim) from row `offset` (a runtime cu_seqlens entry) on.
+
+    offset, seqlen = sequence_bounds(mCuSeqlens, batch)
+        Sequence `batch`'s first packed row and length, read from its cu_seqlens (int32, device).
+
+    sequence_stat(mX, batch, head, offset) -> cute.Tensor
+        The same for a (batch, heads, seqlen) row statistic (LSE), packed (1, heads, total).
+
+    packed_stat_offset(cu_seqlen, batch) -> Int32
+        Where sequence `batch` (first packed row cu_seqlen) starts in a packed, row-padded
+        workspace (the backward's LSE, D and dQ accumulator of a varlen batch): a multiple of
+        STAT_ROW_PAD with room for the sequence rounded up to STAT_ROW_PAD rows before the next
+        one starts; a batch of `total` rows needs total + STAT_ROW_PAD * batch rows.
+
     round_up(x, multiple) -> int
 """
 
@@ -43,6 +60,31 @@ import cutlass
 import cutlass.cute as cute
 
 VECTOR_BITS = 128
+
+
+def sequence_rows(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:
+    if offset is None:
+        return mX[batch, None, head, None]
+    return cute.domain_offset((offset, 0), mX[0, None, head, None])
+
+
+def sequence_bounds(mCuSeqlens: cute.Tensor, batch):
+    offset = mCuSeqlens[batch]
+    return offset, mCuSeqlens[batch + 1] - offset
+
+
+def sequence_stat(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:
+    if offset is None:
+        return mX[batch, head, None]
+    return cute.domain_offset((offset,), mX[0, head, None])
+
+
+STAT_ROW_PAD = 128
+"""Row statistics and the dQ workspace are padded to a multiple of every backward m_block size."""
+
+
+def packed_stat_offset(cu_seqlen, batch):
+    return (cu_seqlen + STAT_ROW_PAD * batch) // STAT_ROW_PAD * STAT_ROW_PAD
 
 
 def round_up(x: int, multiple: int) -> int:

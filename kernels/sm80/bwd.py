@@ -37,6 +37,7 @@ with softcap the scores are t = tanh(s * scale / softcap) and dS picks up dt/ds'
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -49,8 +50,12 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cute_flash.kernels.common.blocks import BlockRanges, kv_head
 from cute_flash.kernels.common.layouts import (
     gmem_tiled_copy,
+    packed_stat_offset,
     reshape_acc_to_mn,
     round_up,
+    sequence_bounds,
+    sequence_rows,
+    sequence_stat,
     smem_layout_atom,
     transpose_view,
 )
@@ -119,6 +124,7 @@ class FlashAttnBwdSm80:
         # factor, which at d = 256 leaves room for a second Q buffer without spills.
         self.dq_chunks = dq_chunks
         self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
+        self.varlen = config.varlen
 
     @staticmethod
     def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
@@ -265,8 +271,39 @@ class FlashAttnBwdSm80:
                     window_left, window_right, softcap, mAlibiSlopes, stream)
 
     @cute.jit
+    def call_varlen(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_k: Int32,
+        softmax_scale: Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """A packed variable-length batch (config.varlen), tensors as the forward's call_varlen;
+        mLSElog2, mdPsum (1, nheads, rows) and mdQaccum (1, nheads, rows * head_dim_padded) hold
+        sequence b from row layouts.packed_stat_offset(cu_seqlens_q[b], b); mdQsemaphore stays
+        (batch, nheads, query blocks of the longest sequence). max_seqlen_k sizes the grid."""
+        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+                    window_left, window_right, softcap, mAlibiSlopes, stream, mCuSeqlensQ, mCuSeqlensK, max_seqlen_k)
+
+    @cute.jit
     def launch(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale: Float32,
-               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream):
+               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream, mCuSeqlensQ=None,
+               mCuSeqlensK=None, max_seqlen_k=None):
         m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
         atom_qk = smem_layout_atom(self.dtype, d)
         sQ_layout = cute.tile_to_shape(atom_qk, (m, d, self.num_stages_Q), (0, 1, 2))
@@ -294,7 +331,11 @@ class FlashAttnBwdSm80:
             cute.nvgpu.CopyUniversalOp(), self.dtype, self.num_threads, cute.size(atom_qk.outer.shape[1])
         )
 
-        grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
+        if cutlass.const_expr(self.varlen):
+            # key blocks of the longest sequence; those past a shorter one's end exit at once
+            grid = (cute.ceil_div(max_seqlen_k, n), mQ.shape[2], mCuSeqlensQ.shape[0] - 1)
+        else:
+            grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
         # P's exponent: at scale softcap with softcap (the forward's parametrization)
         score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
                                             window_right, softcap, mAlibiSlopes)
@@ -304,7 +345,7 @@ class FlashAttnBwdSm80:
             sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_copy, gmem_store,
             *[tiled_mma_sm80(self.dtype, self.num_threads, atom_m)
               for atom_m in (self.atom_m_sdp, self.atom_n_dkv, self.atom_m_dq)],
-            SharedStorage, **mods,
+            SharedStorage, mCuSeqlensQ, mCuSeqlensK, **mods,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -333,6 +374,8 @@ class FlashAttnBwdSm80:
         tiled_mma_dkv: cute.TiledMma,
         tiled_mma_dq: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
         window_left: Int32 | None = None,
         window_right: Int32 | None = None,
         softcap_pre: Float32 | None = None,
@@ -342,11 +385,34 @@ class FlashAttnBwdSm80:
         """Algorithm 2 for one key block j of one (batch, query head): K_j and V_j into smem, then
         for every query block i that sees them P_ij is recomputed, dV_j and dK_j accumulate in
         registers and dQ_i goes to the workspace; dK_j and dV_j are written at the end."""
-        m, n = self.m_block_size, self.n_block_size
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
-        seqlen_q = mQ.shape[1]
-        seqlen_k = mK.shape[1]
+        key_block = partial(
+            self._key_block, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+            scale_log2, sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy, gmem_store, tiled_mma_sdp,
+            tiled_mma_dkv, tiled_mma_dq, SharedStorage, window_left, window_right, softcap_pre, mAlibiSlopes,
+            alibi_scale, tidx, n_block, head, batch,
+        )
+        if cutlass.const_expr(self.varlen):
+            offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
+            offset_k, seqlen_k = sequence_bounds(mCuSeqlensK, batch)
+            # the grid covers the longest sequence: key blocks past this one's end load nothing
+            if n_block * self.n_block_size < seqlen_k:
+                key_block(seqlen_q, seqlen_k, (offset_q, offset_k, packed_stat_offset(offset_q, batch)))
+        else:
+            key_block(mQ.shape[1], mK.shape[1], None)
+
+    @cute.jit
+    def _key_block(
+        self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale, scale_log2,
+        sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy, gmem_store, tiled_mma_sdp, tiled_mma_dkv,
+        tiled_mma_dq, SharedStorage: cutlass.Constexpr, window_left, window_right, softcap_pre, mAlibiSlopes,
+        alibi_scale, tidx, n_block, head, batch, seqlen_q, seqlen_k, offsets,
+    ):
+        """The kernel's work for one key block of a sequence of seqlen_q queries and seqlen_k keys.
+        offsets: None for a dense batch, else the sequence's first query row, first key row and
+        first row in the packed workspaces."""
+        m, n = self.m_block_size, self.n_block_size
         head_kv = kv_head(head, mQ.shape[2], mK.shape[2])
 
         # Query blocks that see some key of this key block (Algorithm 2, inner loop bounds); the
@@ -372,6 +438,7 @@ class FlashAttnBwdSm80:
             m_block_max=m_block_max, m_block_max_mask=m_block_max_mask, m_block_left_mask=m_block_left_mask,
             last_n_block_partial=(n_block + 1) * n > seqlen_k,
             ranges=ranges, window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
+            offsets=offsets if cutlass.const_expr(offsets is not None) else (None, None, None),
         )
 
         g = self.global_tiles(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, cta, head_kv)
@@ -411,13 +478,15 @@ class FlashAttnBwdSm80:
         (indexed by m_block), the key block n_block of K and V, and the dQ workspace."""
         m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
         batch, head, n_block = cta.batch, cta.head, cta.n_block
-        gQ = cute.local_tile(mQ[batch, None, head, None], (m, d), (None, 0))
-        gdO = cute.local_tile(mdO[batch, None, head, None], (m, d), (None, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], (n, d), (n_block, 0))
-        gV = cute.local_tile(mV[batch, None, head_kv, None], (n, d), (n_block, 0))
-        gLSE = cute.local_tile(mLSElog2[batch, head, None], (m,), (None,))
-        gdPsum = cute.local_tile(mdPsum[batch, head, None], (m,), (None,))
-        gdQaccum = cute.local_tile(mdQaccum[batch, head, None], (m * d,), (None,))
+        offset_q, offset_k, offset_stat = cta.offsets
+        gQ = cute.local_tile(sequence_rows(mQ, batch, head, offset_q), (m, d), (None, 0))
+        gdO = cute.local_tile(sequence_rows(mdO, batch, head, offset_q), (m, d), (None, 0))
+        gK = cute.local_tile(sequence_rows(mK, batch, head_kv, offset_k), (n, d), (n_block, 0))
+        gV = cute.local_tile(sequence_rows(mV, batch, head_kv, offset_k), (n, d), (n_block, 0))
+        gLSE = cute.local_tile(sequence_stat(mLSElog2, batch, head, offset_stat), (m,), (None,))
+        gdPsum = cute.local_tile(sequence_stat(mdPsum, batch, head, offset_stat), (m,), (None,))
+        offset_acc = offset_stat * d if cutlass.const_expr(offset_stat is not None) else None
+        gdQaccum = cute.local_tile(sequence_stat(mdQaccum, batch, head, offset_acc), (m * d,), (None,))
         return SimpleNamespace(gQ=gQ, gdO=gdO, gK=gK, gV=gV, gLSE=gLSE, gdPsum=gdPsum, gdQaccum=gdQaccum)
 
     @cute.jit
@@ -685,11 +754,11 @@ class FlashAttnBwdSm80:
             # K and V are no longer read: their smem stages dK and dV for 16-byte stores.
             cute.arch.barrier()
             for acc, mX, sX in ((acc_dK, mdK, sK), (acc_dV, mdV, sV)):
-                gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
+                gX = cute.local_tile(sequence_rows(mX, batch, head, cta.offsets[1]), (n, d), (n_block, 0))
                 store_acc_via_smem(acc, sX, gX, tiled_mma_dkv, gmem_store, seqlen_k - n_block * n, self.head_dim, tidx)
         else:  # fp32 per-query-head dK/dV of grouped-query attention: straight from registers
             for acc, mX in ((acc_dK, mdK), (acc_dV, mdV)):
-                gX = cute.local_tile(mX[batch, None, head, None], (n, d), (n_block, 0))
+                gX = cute.local_tile(sequence_rows(mX, batch, head, cta.offsets[1]), (n, d), (n_block, 0))
                 store_acc(acc, gX, tiled_mma_dkv, seqlen_k - n_block * n, self.head_dim, tidx)
 
     # ------------------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ class Sm80FwdConfig:
     window: bool = False  # sliding window; causal is False then (a causal window has right = 0)
     softcap: bool = False
     alibi: bool = False
+    # Packed variable-length batches: q, k, v (1, total tokens, heads, head_dim), sequences at the
+    # offsets of cu_seqlens (int32, read on the device); the kernel's `call_varlen` entry point.
+    varlen: bool = False
 
     @property
     def has_mods(self) -> bool:
@@ -51,6 +54,7 @@ class Sm80BwdConfig:
     window: bool = False  # as Sm80FwdConfig
     softcap: bool = False
     alibi: bool = False
+    varlen: bool = False  # as Sm80FwdConfig; the workspaces are packed (layouts.packed_stat_offset)
 
     @property
     def has_mods(self) -> bool:
@@ -61,6 +65,7 @@ class Sm80BwdConfig:
 class Sm80BwdPreConfig:
     dtype: type[cutlass.Numeric]
     head_dim: int
+    varlen: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,7 @@ class Sm80BwdPostConfig:
     m_block_size: int
     atom_m_dq: int
     dq_chunks: int = 1
+    varlen: bool = False
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,9 @@ from ..common.layouts import (
     gmem_tiled_copy,
     reshape_acc_to_frgA,
     reshape_acc_to_mn,
+    sequence_bounds,
+    sequence_rows,
+    sequence_stat,
     smem_layout_atom,
     store_tile_rows,
     transpose_view,
@@ -116,6 +119,7 @@ class FlashAttnFwdSm80:
         self.num_threads = num_warps * 32
         self.num_stages = num_stages
         self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
+        self.varlen = config.varlen
 
     @staticmethod
     def smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype=cutlass.BFloat16, **_) -> int:
@@ -196,8 +200,34 @@ class FlashAttnFwdSm80:
         self.launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, softcap, mAlibiSlopes, stream)
 
     @cute.jit
+    def call_varlen(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_q: Int32,
+        softmax_scale: Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """The entry point of a packed variable-length batch (config.varlen): mQ, mO (1, total_q,
+        nheads, head_dim), mK, mV (1, total_k, nheads_kv, head_dim), mLSE (1, nheads, total_q);
+        sequence b holds rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1 (int32, batch + 1 entries).
+        max_seqlen_q (at least every sequence's length) sizes the grid. Score modifications as
+        call_with_mods."""
+        self.launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, softcap, mAlibiSlopes, stream,
+                    mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
+
+    @cute.jit
     def launch(self, mQ, mK, mV, mO, mLSE, softmax_scale: Float32, window_left, window_right, softcap,
-               mAlibiSlopes, stream: cuda.CUstream):
+               mAlibiSlopes, stream: cuda.CUstream, mCuSeqlensQ=None, mCuSeqlensK=None, max_seqlen_q=None):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must all have the kernel's dtype")
@@ -209,8 +239,12 @@ class FlashAttnFwdSm80:
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
-        num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
-        grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
+        if cutlass.const_expr(self.varlen):
+            # one CTA column per query block of the longest sequence; shorter ones exit at once
+            grid = (cute.ceil_div(max_seqlen_q, self.tile_m), cute.size(mQ.shape[2]), mCuSeqlensQ.shape[0] - 1)
+        else:
+            num_m_blocks = cute.ceil_div(mQ.shape[1], self.tile_m)
+            grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         # with softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
         score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
                                             window_right, softcap, mAlibiSlopes)
@@ -218,7 +252,7 @@ class FlashAttnFwdSm80:
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma,
-            SharedStorage, **mods,
+            SharedStorage, mCuSeqlensQ, mCuSeqlensK, **mods,
         ).launch(
             grid=grid,
             block=[self.num_threads, 1, 1],
@@ -272,6 +306,8 @@ class FlashAttnFwdSm80:
         gmem_tiled_copy_O: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: cute.Tensor | None,
+        mCuSeqlensK: cute.Tensor | None,
         window_left: Int32 | None = None,
         window_right: Int32 | None = None,
         softcap_pre: Float32 | None = None,
@@ -283,8 +319,30 @@ class FlashAttnFwdSm80:
         if cutlass.const_expr(self.causal):
             # heaviest query blocks (most keys) first, for a better tail
             m_block = cute.arch.grid_dim()[0] - 1 - m_block
-        seqlen_q = mQ.shape[1]
-        seqlen_k = mK.shape[1]
+        tile = partial(
+            self._attend_tile, mQ, mK, mV, mO, mLSE, softmax_scale_log2, sQ_layout, sKV_layout, gmem_tiled_copy_QKV,
+            gmem_tiled_copy_O, tiled_mma, SharedStorage, window_left, window_right, softcap_pre, mAlibiSlopes,
+            alibi_scale, tidx, m_block, head, batch,
+        )
+        if cutlass.const_expr(self.varlen):
+            offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
+            offset_k, seqlen_k = sequence_bounds(mCuSeqlensK, batch)
+            # the grid covers the longest sequence: blocks past this one's end load nothing
+            if m_block * self.tile_m < seqlen_q:
+                tile(seqlen_q, seqlen_k, (offset_q, offset_k))
+        else:
+            tile(mQ.shape[1], mK.shape[1], None)
+
+    @cute.jit
+    def _attend_tile(
+        self, mQ, mK, mV, mO, mLSE, softmax_scale_log2, sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O,
+        tiled_mma, SharedStorage: cutlass.Constexpr, window_left, window_right, softcap_pre, mAlibiSlopes, alibi_scale,
+        tidx, m_block, head, batch, seqlen_q, seqlen_k, offsets,
+    ):
+        """One (tile_m, head_dim) tile of O and its LSE for (m_block, head, batch) of a sequence of
+        seqlen_q queries and seqlen_k keys. offsets: None for a dense batch (mQ[batch], ...), else
+        (first query row, first key row) of the sequence in the packed tensors."""
+        offset_q, offset_k = offsets if cutlass.const_expr(offsets is not None) else (None, None)
         head_kv = kv_head(head, mQ.shape[2], mK.shape[2])
 
         ranges = BlockRanges(self.tile_m, self.tile_n, self.causal)
@@ -304,9 +362,9 @@ class FlashAttnFwdSm80:
 
         blk_q = (self.tile_m, self.tile_hdim)
         blk_kv = (self.tile_n, self.tile_hdim)
-        gQ = cute.local_tile(mQ[batch, None, head, None], blk_q, (m_block, 0))
-        gK = cute.local_tile(mK[batch, None, head_kv, None], blk_kv, (None, 0))
-        gV = cute.local_tile(mV[batch, None, head_kv, None], blk_kv, (None, 0))
+        gQ = cute.local_tile(sequence_rows(mQ, batch, head, offset_q), blk_q, (m_block, 0))
+        gK = cute.local_tile(sequence_rows(mK, batch, head_kv, offset_k), blk_kv, (None, 0))
+        gV = cute.local_tile(sequence_rows(mV, batch, head_kv, offset_k), blk_kv, (None, 0))
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
@@ -446,7 +504,7 @@ class FlashAttnFwdSm80:
         row_scale = softmax.finalize()
         softmax.rescale_O(acc_O, row_scale)
         self._store_O_LSE(acc_O, softmax.row_sum, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma,
-                          thr_mma, tidx, m_block, head, batch, seqlen_q)
+                          thr_mma, tidx, m_block, head, batch, seqlen_q, offset_q)
 
     @cute.jit
     def _step(
@@ -581,11 +639,11 @@ class FlashAttnFwdSm80:
 
     @cute.jit
     def _store_O_LSE(self, acc_O, lse, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma,
-                     tidx, m_block, head, batch, seqlen_q):
+                     tidx, m_block, head, batch, seqlen_q, offset_q):
         # LSE: the quad thread holding column 0 of a row writes it
         cO = cute.make_identity_tensor((self.tile_m, self.tile_hdim))
         taccOcO = reshape_acc_to_mn(thr_mma.partition_C(cO))
-        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        gLSE = cute.local_tile(sequence_stat(mLSE, batch, head, offset_q), (self.tile_m,), (m_block,))
         if taccOcO[0][1] == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = taccOcO[r, 0][0]
@@ -602,6 +660,6 @@ class FlashAttnFwdSm80:
         cute.copy(smem_copy_atom_O, smem_thr_copy_O.retile(rO), smem_thr_copy_O.partition_D(sO))
         cute.arch.barrier()
 
-        gO = cute.local_tile(mO[batch, None, head, None], (self.tile_m, self.tile_hdim), (m_block, 0))
+        gO = cute.local_tile(sequence_rows(mO, batch, head, offset_q), (self.tile_m, self.tile_hdim), (m_block, 0))
         store_tile_rows(gmem_tiled_copy_O, tidx, sO, gO, seqlen_q - m_block * self.tile_m,
                         self._predicate_hdim if cutlass.const_expr(self.check_hdim) else None)

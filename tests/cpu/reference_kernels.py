@@ -90,3 +90,50 @@ def install(monkeypatch) -> ReferenceKernels:
     monkeypatch.setattr(api, "forward", kernels.forward)
     monkeypatch.setattr(api, "backward", kernels.backward)
     return kernels
+
+
+class ReferenceVarlenKernels(ReferenceKernels):
+    """Stand-ins for `cute_flash.varlen.forward_varlen` and `backward_varlen` (packed sequences),
+    sequence by sequence through the dense stand-ins above; rows of no sequence get out = 0,
+    lse = -inf, and gradients 0 (or keep a given gradient's values), as the kernels leave them."""
+
+    def forward_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, softmax_scale=None,
+                       causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, check_values=True):
+        from cute_flash.reference import reference_varlen_attention
+
+        self.forward_calls.append({"q": q, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                   "max_seqlen": (max_seqlen_q, max_seqlen_k), "softmax_scale": softmax_scale,
+                                   "causal": causal, **_mods(window_size, softcap, alibi_slopes)})
+        out, lse = reference_varlen_attention(q.detach(), k.detach(), v.detach(), cu_seqlens_q, cu_seqlens_k,
+                                              softmax_scale, causal, window_size, softcap, alibi_slopes)
+        return out.to(q.dtype), lse.float()
+
+    def backward_varlen(self, dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        dq=None, dk=None, dv=None, softmax_scale=None, causal=False, deterministic=False,
+                        window_size=(-1, -1), softcap=0.0, alibi_slopes=None, check_values=True):
+        grads = [torch.zeros_like(t) if given is None else given for t, given in ((q, dq), (k, dk), (v, dv))]
+        starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(starts_q) - 1):
+            rows_q, rows_k = slice(starts_q[b], starts_q[b + 1]), slice(starts_k[b], starts_k[b + 1])
+            if rows_q.start == rows_q.stop or rows_k.start == rows_k.stop:
+                grads[0][rows_q] = 0  # no score: every gradient of the sequence is zero
+                grads[1][rows_k] = 0
+                grads[2][rows_k] = 0
+                continue
+            slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 else alibi_slopes[b:b + 1]
+            seq = self.backward(dout[rows_q][None], q[rows_q][None], k[rows_k][None], v[rows_k][None],
+                                out[rows_q][None], lse[:, rows_q][None], softmax_scale=softmax_scale, causal=causal,
+                                deterministic=deterministic, window_size=window_size, softcap=softcap,
+                                alibi_slopes=slopes)
+            for grad, rows, part in zip(grads, (rows_q, rows_k, rows_k), seq):
+                grad[rows] = part[0]
+        return tuple(grads)
+
+
+def install_varlen(monkeypatch) -> ReferenceVarlenKernels:
+    from cute_flash import varlen
+
+    kernels = ReferenceVarlenKernels()
+    monkeypatch.setattr(varlen, "forward_varlen", kernels.forward_varlen)
+    monkeypatch.setattr(varlen, "backward_varlen", kernels.backward_varlen)
+    return kernels

@@ -97,6 +97,18 @@ def test_decode_runner_cells():
     assert not decode.verdict(dict(row, ours_tbps=2.52), 3.0)["passes"]  # 0.84x the copy
 
 
+def test_varlen_runner_packs_16k_tokens_of_the_promised_lengths(capsys):
+    from cute_flash.perf import varlen
+
+    assert not get_suite("varlen").cells and "python -m cute_flash.perf varlen" in get_suite("varlen").unavailable
+    for seed in range(20):
+        lengths = varlen.lengths_for(seed)
+        assert sum(lengths) == varlen.TOKENS and varlen.MIN_LEN <= min(lengths) and max(lengths) <= varlen.MAX_LEN
+    assert varlen.lengths_for(3) == varlen.lengths_for(3)
+    assert varlen.forward_flops([2, 3], False) == 4.0 * 16 * 128 * 13
+    assert varlen.forward_flops([2, 3], True) == 4.0 * 16 * 128 * 9
+
+
 def test_module_entry_point_dispatches(capsys):
     assert perf_main(["bench", "--suite", "decode"]) == 0
     assert perf_main(["frobnicate"]) == 2

@@ -382,11 +382,11 @@ def run_backward(q, k, v, dout, causal, deterministic=False, softmax_scale=None)
 
 
 def clear_launchers():
-    """Forget the API's per-process forward and backward launchers (cute_flash/api.py)."""
-    from cute_flash import api
+    """Forget the API's per-process forward and backward launchers (cute_flash/api.py, varlen.py)."""
+    from cute_flash import api, varlen
 
-    api._forward_kernels.clear()
-    api._backward_kernels.clear()
+    for memo in (api._forward_kernels, api._backward_kernels, varlen._forward_kernels, varlen._backward_kernels):
+        memo.clear()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,66 @@
+"""The sm80 kernels' packed variable-length variants (config.varlen, the `call_varlen` entry points)
+compile without a GPU to the instructions they are built from, without spills, through the plans
+dispatch makes for them on every GPU. The dense kernels' PTX is unchanged by the switch
+(scripts/ptx-hashes.py; docs/kernels/sm80-forward.md)."""
+
+import pytest
+import torch
+
+from cute_flash import dispatch
+from cute_flash.compile_report import compile_report
+
+# (pass, mods (window, softcap, alibi), dtype, head dim, causal, deterministic, gqa, capability)
+VARIANTS = [
+    ("fwd", (False, False, False), torch.bfloat16, 128, True, False, False, (9, 0)),
+    ("fwd", (True, True, False), torch.float16, 64, False, False, False, (8, 0)),
+    ("fwd", (False, False, False), torch.float32, 128, False, False, False, (8, 0)),
+    ("bwd", (False, False, False), torch.bfloat16, 128, True, False, False, (9, 0)),
+    ("bwd", (True, True, True), torch.float16, 64, False, True, True, (8, 0)),
+    ("bwd", (False, False, False), torch.float32, 64, True, False, False, (8, 0)),
+]
+
+
+def _id(v):
+    flags = "".join(name for name, on in zip(("window", "softcap", "alibi"), v[1]) if on) or "plain"
+    return f"{v[0]}-{flags}-{str(v[2])[6:]}-d{v[3]}-{'causal' if v[4] else 'full'}{'-det' if v[5] else ''}" \
+           f"{'-gqa' if v[6] else ''}-sm{v[7][0]}0"
+
+
+def _check(plan, mma):
+    assert plan.family == "sm80" and plan.entry == "call_varlen" and plan.config.varlen
+    kernel, args = plan.build()
+    report = compile_report(kernel, args, arch=plan.arch)
+    assert report.spill_bytes == 0, \
+        f"{plan.kernel_cls.__name__}: {report.registers} registers, {report.spill_bytes} B spilled"
+    if mma:
+        assert mma in report.ptx
+    return report
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_id)
+def test_varlen_kernels_compile_without_spills(variant):
+    pass_name, mods, dtype, head_dim, causal, deterministic, gqa, capability = variant
+    mma = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" if dtype is torch.float32 else \
+        "mma.sync.aligned.m16n8k16.row.col.f32"
+    if pass_name == "fwd":
+        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, family="sm90", num_sms=132, mods=mods,
+                                     varlen=True)
+        report = _check(plan, mma)
+        assert "cp.async.cg.shared.global" in report.ptx and "ex2.approx" in report.ptx
+        return
+    plans = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, family="sm90", mods=mods,
+                                   varlen=True)
+    _check(plans.pre, None)
+    report = _check(plans.main, mma)
+    assert "red." in report.ptx and ".add.f32" in report.ptx  # dQ into the workspace
+    _check(plans.post, None)
+
+
+def test_dense_plans_keep_their_entries():
+    assert dispatch.plan_forward((8, 0), torch.bfloat16, 128, True, family="sm80").entry is None
+    dense = dispatch.plan_backward((8, 0), torch.bfloat16, 128, True, family="sm80")
+    assert (dense.pre.entry, dense.main.entry, dense.post.entry) == (None, None, None)
+    assert not dense.main.config.varlen and not dense.pre.config.varlen and not dense.post.config.varlen
+    # varlen routes to the sm80 family on Hopper too
+    assert dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, family="sm90", num_sms=132,
+                                 varlen=True).family == "sm80"
