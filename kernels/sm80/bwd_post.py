@@ -25,9 +25,8 @@ from cute_flash.kernels.common.layouts import (
     gmem_tiled_copy, packed_stat_offset, round_up, sequence_bounds, sequence_rows, sequence_stat, smem_layout_atom,
 )
 from cute_flash.kernels.sm80.config import Sm80BwdPostConfig
-from cute_flash.kernels.sm80.bwd import (
-    FlashAttnBwdSm80, dq_accum_offset, stage_acc_in_smem, store_smem_tile, tiled_mma_sm80,
-)
+from cute_flash.kernels.common.stores import stage_acc_in_smem, store_smem_tile
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, dq_accum_offset, tiled_mma_sm80
 
 
 class FlashAttnBwdPostprocessSm80:

@@ -48,7 +48,7 @@ from ..common.blocks import BlockRanges
 from ..common.layouts import reshape_acc_to_mn, transpose_view
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E
-from ..sm80.bwd import stage_acc_in_smem
+from ..common.stores import stage_acc_in_smem
 from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
 from .primitives import gemm
 

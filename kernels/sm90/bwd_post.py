@@ -17,7 +17,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from ..common.layouts import gmem_tiled_copy, smem_layout_atom
-from ..sm80.bwd import stage_acc_in_smem, store_smem_tile
+from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .bwd import dq_staging_view, dq_tiled_mma
 from .config import Sm90BwdConfig, Sm90BwdPostConfig
 
