@@ -20,9 +20,8 @@ from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import gmem_tiled_copy, round_up, smem_layout_atom
 from cute_flash.kernels.sm80.config import Sm80BwdPostConfig
-from cute_flash.kernels.sm80.bwd import (
-    FlashAttnBwdSm80, dq_accum_offset, stage_acc_in_smem, store_smem_tile, tiled_mma_sm80,
-)
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, dq_accum_offset, stage_acc_in_smem, store_smem_tile
+from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
 
 
 class FlashAttnBwdPostprocessSm80:
