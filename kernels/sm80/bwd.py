@@ -62,8 +62,9 @@ from cute_flash.kernels.common.layouts import (
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.stores import store_acc, store_acc_via_smem
 from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
-from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32, tiled_mma_tf32
+from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32
 from cute_flash.kernels.sm80.config import Sm80BwdConfig
+from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
 
 SMEM_CAPACITY_SM80 = 163 * 1024
 SMEM_CAPACITY_SM90 = 227 * 1024  # the H100 runs this kernel too, with its larger opt-in smem
@@ -822,18 +823,6 @@ class FlashAttnBwdSm80:
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
 
 
-def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
-    """m16n8k16 mma.sync over `num_threads // 32` warps, `atom_m` of them stacked along M;
-    m16n8k8 TF32 (split TF32) for fp32."""
-    warps = num_threads // 32
-    if dtype is cutlass.Float32:
-        return tiled_mma_tf32(atom_m, warps // atom_m)
-    atoms = (atom_m, warps // atom_m, 1)
-    return cute.make_tiled_mma(
-        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
-        atoms,
-        permutation_mnk=(atoms[0] * 16, atoms[1] * 16, 16),
-    )
 
 
 def dq_accum_offset(chunk: int, chunk_elems: int, tidx: Int32) -> Int32:

@@ -26,7 +26,8 @@ from cute_flash.kernels.common.layouts import (
 )
 from cute_flash.kernels.sm80.config import Sm80BwdPostConfig
 from cute_flash.kernels.common.stores import stage_acc_in_smem, store_smem_tile
-from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, dq_accum_offset, tiled_mma_sm80
+from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, dq_accum_offset
+from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
 
 
 class FlashAttnBwdPostprocessSm80:

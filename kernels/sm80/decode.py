@@ -53,7 +53,6 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     def __init__(self, config: Sm80DecodeConfig):
         self.cfg = config
         self.dtype = config.dtype
-        self.fp32 = False  # 16-bit only: the API rejects fp32 before planning
         self.head_dim = config.head_dim
         self.tile_hdim = config.head_dim if config.head_dim % 64 == 0 else (config.head_dim + 31) // 32 * 32
         self.check_hdim = self.tile_hdim != config.head_dim

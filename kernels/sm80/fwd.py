@@ -56,6 +56,20 @@ from .config import Sm80FwdConfig
 SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
 
 
+def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
+    """m16n8k16 mma.sync over `num_threads // 32` warps, `atom_m` of them stacked along M;
+    m16n8k8 TF32 (split TF32) for fp32."""
+    warps = num_threads // 32
+    if dtype is cutlass.Float32:
+        return tiled_mma_tf32(atom_m, warps // atom_m)
+    atoms = (atom_m, warps // atom_m, 1)
+    return cute.make_tiled_mma(
+        warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
+        atoms,
+        permutation_mnk=(atoms[0] * 16, atoms[1] * 16, 16),
+    )
+
+
 @cute.jit
 def gemm_sm80(
     tiled_mma: cute.TiledMma,
@@ -278,14 +292,7 @@ class FlashAttnFwdSm80:
         gmem_tiled_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), dtype, self.num_threads, row_elems)
         # warps side by side along M; the N permutation makes one tile 16 wide so each B
         # ldmatrix.x4 feeds two n8 mmas
-        if cutlass.const_expr(self.fp32):
-            tiled_mma = tiled_mma_tf32(self.num_warps, 1)
-        else:
-            tiled_mma = cute.make_tiled_mma(
-                warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16)),
-                (self.num_warps, 1, 1),
-                permutation_mnk=(self.num_warps * 16, 16, 16),
-            )
+        tiled_mma = tiled_mma_sm80(dtype, self.num_threads, self.num_warps)
         return sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma
 
     # ------------------------------------------------------------------------------------------
