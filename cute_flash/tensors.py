@@ -75,7 +75,7 @@ def fake_dq_accum() -> cute.Tensor:
 def fake_score_mods(window: bool, softcap: bool, alibi: bool) -> tuple:
     """`call_with_mods`' window sides, softcap, (1 or batch, nheads) fp32 slopes; None where off."""
     return ((cutlass.Int32(0),) * 2 if window else (None, None)) + (cutlass.Float32(1.0) if softcap else None, (
-        make_fake_tensor(cutlass.Float32, (_sym_extent(),) * 2, (cute.sym_int64(), 1), assumed_align=4) if alibi
+        make_fake_tensor(cutlass.Float32, (_sym_extent(), _sym_extent()), (cute.sym_int64(), 1), assumed_align=4) if alibi
         else None))
 
 

@@ -128,8 +128,9 @@ def test_flash_attn_varlen_func_autograd_and_compile():
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
 
     def step(q, k, v):
+        # deterministic=True: the eager and compiled gradients must then agree bit for bit
         return cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True, (-1, -1), 0.0,
-                                                 None, False, True)
+                                                 None, True, True)
 
     with served_by("sm80"):
         out, lse, probs = step(*leaves)
@@ -143,7 +144,8 @@ def test_flash_attn_varlen_func_autograd_and_compile():
     leaves2 = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     out2, _, _ = compiled(*leaves2)
     out2.backward(dout)
-    torch.testing.assert_close(out2, out.detach(), rtol=0, atol=0)
+    # output rows of no sequence are left unwritten (as flash-attn leaves them)
+    torch.testing.assert_close(out2[LEAD:], out.detach()[LEAD:], rtol=0, atol=0)
     for a, b in zip(grads, (t.grad for t in leaves2)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
