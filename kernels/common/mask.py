@@ -30,10 +30,11 @@ Call it only on boundary blocks (see blocks.py); interior blocks need no mask at
     softcap_grad(acc_S) -> fragment of 1 - t^2 for t = acc_S (the backward's dS factor).
 
     score_scale, mods = kernel_mod_args(window, softcap, alibi, softmax_scale, window_left, window_right,
-                                        softcap_value, mAlibiSlopes)
+                                        softcap_value, mAlibiSlopes, dropout, dropout_args)
         Host side: the scale the softmax applies (softcap with softcap, else softmax_scale) and the
         kernel's keyword arguments for the switches that are on (window_left / window_right,
-        softcap_pre, mAlibiSlopes with alibi_scale = -1 / score_scale).
+        softcap_pre, mAlibiSlopes with alibi_scale = -1 / score_scale; with dropout philox_seed,
+        philox_offset, dropout_threshold, dropout_scale from dropout_args, kernels/common/philox.py).
 
     apply_alibi(acc_S, thr_mma, tile_m, tile_n, m_block, n_block, seqlen_q, seqlen_k, slope)
         acc_S += slope * |i + seqlen_k - seqlen_q - j| (slope = -alibi_slope / the softmax's scale,
@@ -142,7 +143,7 @@ def _mask_one(acc_S_mn: cute.Tensor, r: int, c: int, hidden, branchless: cutlass
 
 
 def kernel_mod_args(window: bool, softcap: bool, alibi: bool, softmax_scale, window_left, window_right,
-                    softcap_value, mAlibiSlopes):
+                    softcap_value, mAlibiSlopes, dropout: bool = False, dropout_args=(None,) * 4):
     score_scale = softcap_value if softcap else softmax_scale
     mods = {}
     if window:
@@ -151,6 +152,8 @@ def kernel_mod_args(window: bool, softcap: bool, alibi: bool, softmax_scale, win
         mods.update(softcap_pre=softmax_scale / softcap_value)
     if alibi:
         mods.update(mAlibiSlopes=mAlibiSlopes, alibi_scale=-1.0 / score_scale)
+    if dropout:
+        mods.update(zip(("philox_seed", "philox_offset", "dropout_threshold", "dropout_scale"), dropout_args))
     return score_scale, mods
 
 
