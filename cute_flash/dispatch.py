@@ -136,7 +136,7 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     from .kernels.sm80.config import Sm80FwdConfig
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 
-    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal)
+    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal, dropout)
     if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
     config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods, dropout), varlen=varlen)
@@ -231,7 +231,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                           post_args, arch),
                 gqa=False, deterministic=deterministic,
             )
-    tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa)
+    tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)
     entry = post_entry = None

@@ -131,7 +131,8 @@ class FlashAttnBwdSm80:
         self.varlen = config.varlen
 
     @staticmethod
-    def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
+    def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False,
+                      dropout: bool = False) -> dict:
         """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
         (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
         dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
@@ -179,6 +180,9 @@ class FlashAttnBwdSm80:
             stage_options = ((2, 1), (1, 1))
         else:
             stage_options = ((2, 2), (2, 1), (1, 1))
+        if dropout:
+            # the Philox rounds need registers the plain tiles use up: half the query block
+            tiles["m_block_size"] = min(tiles["m_block_size"], 64)
         for stages_Q, stages_dO in stage_options:
             tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
             if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
