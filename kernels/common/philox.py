@@ -96,7 +96,8 @@ def apply_dropout(
     # group of four is a compile-time property.
     q_offset = tScS_mn[0][0] + m_block * tile_m
     k_offset = tScS_mn[0][1] + n_block * tile_n
-    for (row, col), members in _philox_groups(t0ScS_mn, cute.size(acc_S_mn, mode=[0]), cute.size(acc_S_mn, mode=[1])):
+    num_rows, num_cols = cute.size(acc_S_mn, mode=[0]), cute.size(acc_S_mn, mode=[1])
+    for (row, col), members in _philox_groups(t0ScS_mn, num_rows, num_cols):
         i = q_offset + row
         words = philox4x32(Uint32((k_offset + col) >> 1), Uint32((i >> 4) * 8 + (i & 7)), rng.c2, rng.c3,
                            rng.k0, rng.k1)
