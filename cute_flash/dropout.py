@@ -47,7 +47,8 @@ def philox4x32_10(counter, key) -> list[torch.Tensor]:
 
 
 def draw_rng_state(device: torch.device, batch: int, nheads: int) -> torch.Tensor:
-    generator = torch.cuda.default_generators[torch.device(device).index or 0]
+    index = torch.device(device).index
+    generator = torch.cuda.default_generators[torch.cuda.current_device() if index is None else index]
     seed, offset = generator.initial_seed(), generator.get_offset()
     increment = -(-batch * nheads // _OFFSET_ALIGN) * _OFFSET_ALIGN
     generator.set_offset(offset + increment)

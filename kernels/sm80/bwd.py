@@ -181,8 +181,12 @@ class FlashAttnBwdSm80:
         else:
             stage_options = ((2, 2), (2, 1), (1, 1))
         if dropout:
-            # the Philox rounds need registers the plain tiles use up: half the query block
+            # the Philox rounds need registers the plain tiles use up: at most 64 query rows, and
+            # 64 keys where dS's P comes back from smem (d = 128 on sm_80: 32 bytes of spill with
+            # softcap at 128 keys)
             tiles["m_block_size"] = min(tiles["m_block_size"], 64)
+            if not tiles["p_in_registers"]:
+                tiles["n_block_size"] = 64
         for stages_Q, stages_dO in stage_options:
             tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
             if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):

@@ -161,13 +161,13 @@ class FlashAttnFwdSm80:
 
     @staticmethod
     def default_tiles(dtype, head_dim, causal, dropout: bool = False) -> dict:
-        if dtype is cutlass.Float32:
-            return FlashAttnFwdSm80._fp32_tiles(head_dim)
         if dropout:
             # the Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
             # the key tile
             tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
             return dict(tiles, tile_n=tiles["tile_n"] // 2)
+        if dtype is cutlass.Float32:
+            return FlashAttnFwdSm80._fp32_tiles(head_dim)
         # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.
         # The key tile shrinks as head_dim grows so acc_O + acc_S fit in 255 registers.
         if head_dim <= 96:

@@ -102,6 +102,9 @@ VARIANTS = [
     # d128 on sm_80 reads P back from smem: the signed P waits in dS's tile
     ("bwd", torch.bfloat16, 128, False, False, False, dispatch.NO_MODS, (8, 0)),
     ("bwd", torch.bfloat16, 128, True, False, False, (False, True, False), (8, 0)),
+    ("bwd", torch.float16, 256, False, False, False, dispatch.NO_MODS, (8, 0)),
+    ("bwd", torch.float32, 64, True, False, False, dispatch.NO_MODS, (8, 0)),
+    ("fwd", torch.bfloat16, 256, True, False, False, (False, True, True), (8, 0)),
 ]
 
 
