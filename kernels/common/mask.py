@@ -49,7 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .layouts import reshape_acc_to_mn
+from .layouts import acc_coordinates, reshape_acc_to_mn
 from .softmax import LOG2_E
 
 
@@ -71,9 +71,7 @@ def apply_mask(
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
     tile = (tile_m, tile_n) if cutlass.const_expr(not transposed) else (tile_n, tile_m)
-    cS = cute.make_identity_tensor(tile)
-    tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cS))
-    t0ScS_mn = reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS))
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, tile)
     Q = 0 if cutlass.const_expr(not transposed) else 1  # coordinate holding the query index
     K = 1 - Q
     num_rows = cute.size(tScS_mn, mode=[0])
@@ -189,9 +187,7 @@ def apply_alibi(
     slope: Float32,
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
-    cS = cute.make_identity_tensor((tile_m, tile_n))
-    tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cS))
-    t0ScS_mn = reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS))
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, (tile_m, tile_n))
     # i + seqlen_k - seqlen_q - j = shift + (compile-time row - column of thread 0's element)
     # (exact in float32 below 2^24)
     shift = Float32((tScS_mn[0][0] + m_block * tile_m + seqlen_k - seqlen_q) - (tScS_mn[0][1] + n_block * tile_n))

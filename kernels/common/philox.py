@@ -37,7 +37,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from .layouts import reshape_acc_to_mn
+from .layouts import acc_coordinates, reshape_acc_to_mn
 
 PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57  # round multipliers
 PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85  # key schedule (golden ratio, sqrt(3) - 1)
@@ -88,9 +88,7 @@ def apply_dropout(
     encode_in_sign: cutlass.Constexpr[bool],
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
-    cS = cute.make_identity_tensor((tile_m, tile_n))
-    tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cS))
-    t0ScS_mn = reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS))
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, (tile_m, tile_n))
     # This thread's coordinates are thread 0's (compile time) plus these offsets, which are
     # < 8 mod 16 (rows) and even (columns) in an m16n8 accumulator: an element's place in its
     # group of four is a compile-time property.

@@ -482,3 +482,17 @@ def sweep_causal(head_dim: int) -> bool:
     """One masking per head dim of the sweep, alternating (odd multiples of 8 causal), so that the
     sweep compiles one forward and one backward variant per (dtype, head dim)."""
     return head_dim % 16 == 8
+
+
+def warm_in_parallel(compile_job, jobs) -> None:
+    """`python -m tests.gpu.<module> --warm`: compile_job(job) for every job (a module-level function,
+    pickled to spawned processes), one process per CPU, then the count and the time taken."""
+    import multiprocessing
+    import os
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    start = time.time()
+    with ProcessPoolExecutor(os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = list(pool.map(compile_job, jobs))
+    print(f"warm: {len(done)} jobs in {time.time() - start:.0f} s")
