@@ -32,7 +32,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax
     # `deterministic` only travels to the backward (through the autograd context). The dropout
     # stream is drawn here, at run time (a compiled graph must not freeze it), and returned for the
     # backward: int64 [seed, offset] on the CPU, zeros without dropout.
-    rng_state = draw_rng_state(q.device, q.shape[0], q.shape[2]) if dropout_p != 0.0 else torch.zeros(2, dtype=torch.int64)
+    rng_state = (draw_rng_state(q.device, q.shape[0], q.shape[2]) if dropout_p != 0.0
+                 else torch.zeros(2, dtype=torch.int64))
     out, lse = api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
                            softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
     return out, lse, rng_state
@@ -113,12 +114,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     if older_gpu is not None:
         if not plain:
             raise UnsupportedArgumentError(
-                "window_size, softcap, alibi_slopes and dropout_p need cute-flash's kernels (sm_80 or newer); the fallback "
+                "window_size, softcap, alibi_slopes and dropout_p need cute-flash's kernels (sm_80 or newer); the "
+                "fallback "
                 "to torch's scaled_dot_product_attention on this GPU has none of them")
         return fallback.attention(q, k, v, scale, causal, deterministic, older_gpu), None
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling() or dropout_p != 0.0:
-        out, lse, _ = attention_forward(q, k, v, scale, causal, deterministic, *window, softcap, alibi_slopes, dropout_p)
+        out, lse, _ = attention_forward(q, k, v, scale, causal, deterministic, *window, softcap, alibi_slopes,
+                                        dropout_p)
         return out, lse
     if plain:
         return api.forward(q, k, v, softmax_scale=scale, causal=causal)
@@ -183,7 +186,8 @@ def flash_attn_func(
     require_torch_tensor("q", q)
     require_torch_tensor("k", k)
     require_torch_tensor("v", v)
-    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse)
+    options = check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes, deterministic,
+                                       return_attn_probs, return_lse)
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse = options
     out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes, dropout_p)
     return results(out, lse, return_attn_probs, return_lse)

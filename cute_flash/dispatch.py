@@ -24,8 +24,8 @@ from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError
 from .validate import check_kernel_dtype
 from .tensors import (
-    fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_rowstat, fake_score_mods, fake_semaphore,
-    fake_stream, fake_tail_split_workspace,
+    fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_rowstat, fake_score_mods,
+    fake_semaphore, fake_stream, fake_tail_split_workspace,
 )
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}

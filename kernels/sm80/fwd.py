@@ -20,11 +20,11 @@ in fp32 as the A operand of P V) and their own tiles (`_fp32_tiles`).
 
 Score modifications (config.window / softcap / alibi, kernels/common/mask.py) are compiled in only
 where the configuration asks, and their values come at run time through `call_with_mods`
-(`__call__` is the plain kernel's entry). Dropout (config.dropout, kernels/common/philox.py) zeroes
-dropped probabilities after the online softmax has taken their row sums, so the LSE is that of
-the full softmax, and scales O by 1 / (1 - p) with the final 1 / row_sum. A sliding window loads only the key blocks some row of the
+(`__call__` is the plain kernel's entry). A sliding window loads only the key blocks some row of the
 query tile sees (blocks.py: n_block_min_max_window) and masks only the blocks crossing an edge of
-the window; softcap and ALiBi touch every score.
+the window; softcap and ALiBi touch every score. Dropout (config.dropout, kernels/common/philox.py)
+zeroes dropped probabilities after the online softmax has taken their row sums, so the LSE is that
+of the full softmax, and scales O by 1 / (1 - p) with the final 1 / row_sum.
 """
 
 from __future__ import annotations
