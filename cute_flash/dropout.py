@@ -22,6 +22,7 @@ import torch
 from .kernels.common.philox import PHILOX_M0, PHILOX_M1, PHILOX_ROUNDS, PHILOX_W0, PHILOX_W1
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 _OFFSET_ALIGN = 4  # torch's Philox offsets advance in multiples of 4
 
 
@@ -52,12 +53,13 @@ def draw_rng_state(device: torch.device, batch: int, nheads: int) -> torch.Tenso
     seed, offset = generator.initial_seed(), generator.get_offset()
     increment = -(-batch * nheads // _OFFSET_ALIGN) * _OFFSET_ALIGN
     generator.set_offset(offset + increment)
-    return torch.tensor([seed, offset], dtype=torch.int64)
+    # torch's seeds are unsigned 64-bit (a fresh one is ≥ 2^63 half the time): stored as their bits
+    return torch.tensor([_to_int64(seed), _to_int64(offset)], dtype=torch.int64)
 
 
 def _to_int64(word: int) -> int:
     """An unsigned 64-bit value as the int64 with the same bits (the kernels' Int64 argument)."""
-    word &= (1 << 64) - 1
+    word &= _MASK64
     return word - (1 << 64) if word >> 63 else word
 
 
@@ -75,16 +77,19 @@ def kernel_dropout_args(dropout_p: float, rng_state: torch.Tensor) -> tuple:
 
 def dropout_keep_mask(batch: int, nheads: int, seqlen_q: int, seqlen_k: int, dropout_p: float,
                       rng_state: torch.Tensor, device=None) -> torch.Tensor:
-    seed, offset = (int(x) & ((1 << 64) - 1) for x in rng_state.tolist())
+    seed, offset = (int(x) & _MASK64 for x in rng_state.tolist())
     row_groups = -(-seqlen_q // 16) * 8
     col_pairs = -(-seqlen_k // 2)
-    stream = (offset + torch.arange(batch * nheads, dtype=torch.int64, device=device)) & ((1 << 64) - 1)
+    # the (batch, head) streams' 64-bit counters, split in Python (an int64 tensor would overflow)
+    streams = [(offset + bh) & _MASK64 for bh in range(batch * nheads)]
+    stream_lo, stream_hi = (torch.tensor([(s >> shift) & _MASK32 for s in streams], dtype=torch.int64, device=device)
+                            for shift in (0, 32))
     shape = (batch * nheads, row_groups, col_pairs)
     counter = (
         torch.arange(col_pairs, dtype=torch.int64, device=device).view(1, 1, -1).expand(shape),
         torch.arange(row_groups, dtype=torch.int64, device=device).view(1, -1, 1).expand(shape),
-        (stream & _MASK32).view(-1, 1, 1).expand(shape),
-        (stream >> 32).view(-1, 1, 1).expand(shape),
+        stream_lo.view(-1, 1, 1).expand(shape),
+        stream_hi.view(-1, 1, 1).expand(shape),
     )
     words = philox4x32_10(counter, (seed & _MASK32, seed >> 32))
     # word 2 * di + dj of group (g, pair) is element (row (g // 8) * 16 + g % 8 + 8 * di, column 2 * pair + dj)

@@ -8,7 +8,7 @@ import torch
 
 import cute_flash
 from cute_flash import dispatch
-from cute_flash.dropout import dropout_keep_mask, kernel_dropout_args, keep_threshold, philox4x32_10
+from cute_flash.dropout import dropout_keep_mask, draw_rng_state, kernel_dropout_args, keep_threshold, philox4x32_10
 from cute_flash.errors import ErrorCode
 from cute_flash.flash_attn_interface import flash_attn_func, flash_attn_varlen_qkvpacked_func
 from cute_flash.reference import reference_attention
@@ -32,16 +32,38 @@ def test_philox_known_answers(counter, key, expected):
 
 def test_keep_mask_maps_each_element_to_its_counter_and_word():
     batch, nheads, sq, sk, p = 2, 3, 37, 29, 0.3
-    seed, offset = 0x9234_5678_9ABC_DEF0, 2**32 - 2  # a seed past 2^63; the stream carries into the high word
-    keep = dropout_keep_mask(batch, nheads, sq, sk, p, torch.tensor([seed - 2**64, offset]))
+    # a seed past 2^63 (stored as its int64 bits), an offset past 2^63 whose streams carry into the high word
+    seed, offset = 0x9234_5678_9ABC_DEF0, 2**63 + 2**32 - 2
+    keep = dropout_keep_mask(batch, nheads, sq, sk, p, torch.tensor([seed - 2**64, offset - 2**64]))
     threshold = keep_threshold(p)
     for b, h, i, j in [(0, 0, 0, 0), (1, 2, 36, 28), (0, 1, 8, 3), (1, 0, 17, 10), (1, 2, 24, 27)]:
-        stream = offset + b * nheads + h
+        stream = (offset + b * nheads + h) % 2**64
         counter = (j // 2, (i // 16) * 8 + i % 8, stream & 0xFFFFFFFF, stream >> 32)
         words = philox4x32_10(counter, (seed & 0xFFFFFFFF, seed >> 32))
         word = int(words[2 * (i % 16 // 8) + j % 2])
         assert bool(keep[b, h, i, j]) == (word >= threshold), (b, h, i, j)
     assert abs(keep.double().mean().item() - (1 - p)) < 4 * (p * (1 - p) / keep.numel()) ** 0.5
+
+
+def test_generator_draw_keeps_a_seed_past_2_63_and_advances_the_offset(monkeypatch):
+    """draw_rng_state on a stand-in for torch's CUDA generator (no GPU here)."""
+
+    class Generator:
+        offset = 12
+
+        def initial_seed(self):
+            return 2**64 - 5
+
+        def get_offset(self):
+            return self.offset
+
+        def set_offset(self, offset):
+            self.offset = offset
+
+    generator = Generator()
+    monkeypatch.setattr(torch.cuda, "default_generators", (generator,), raising=False)
+    state = draw_rng_state(torch.device("cuda", 0), 3, 3)
+    assert state.tolist() == [-5, 12] and generator.offset == 24  # 9 streams, rounded up to 12
 
 
 def test_kernel_arguments_are_the_bits_of_seed_offset_and_threshold():
