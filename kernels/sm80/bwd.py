@@ -181,12 +181,12 @@ class FlashAttnBwdSm80:
         else:
             stage_options = ((2, 2), (2, 1), (1, 1))
         if dropout:
-            # the Philox rounds need registers the plain tiles use up: at most 64 query rows, and
-            # 64 keys where dS's P comes back from smem (d = 128 on sm_80: 32 bytes of spill with
-            # softcap at 128 keys)
+            # The Philox rounds need registers the plain tiles use up: at most 64 query rows; at
+            # d = 128 and 256 dS's P comes back from smem on sm_90a too (the fp32 P spilled 24
+            # bytes there), with 64 keys (d = 128 on sm_80: 32 bytes of spill with softcap at 128).
             tiles["m_block_size"] = min(tiles["m_block_size"], 64)
-            if not tiles["p_in_registers"]:
-                tiles["n_block_size"] = 64
+            if d in (128, 256):
+                tiles.update(p_in_registers=False, n_block_size=64)
         for stages_Q, stages_dO in stage_options:
             tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
             if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
