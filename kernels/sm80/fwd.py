@@ -162,10 +162,11 @@ class FlashAttnFwdSm80:
     @staticmethod
     def default_tiles(dtype, head_dim, causal, dropout: bool = False) -> dict:
         if dropout:
-            # the Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
-            # the key tile
+            # The Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
+            # the key tile; a quarter at d <= 32, where ptxas aims at 168 registers (the causal
+            # kernel spilled 40 bytes with half).
             tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
-            return dict(tiles, tile_n=tiles["tile_n"] // 2)
+            return dict(tiles, tile_n=tiles["tile_n"] // (4 if head_dim <= 32 else 2))
         if dtype is cutlass.Float32:
             return FlashAttnFwdSm80._fp32_tiles(head_dim)
         # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.

@@ -116,6 +116,7 @@ def test_varlen_dropout_has_no_plan():
 # (pass, dtype, head dim, causal, deterministic, gqa, mods, capability)
 VARIANTS = [
     ("fwd", torch.bfloat16, 64, False, False, False, dispatch.NO_MODS, (8, 0)),
+    ("fwd", torch.bfloat16, 32, True, False, False, dispatch.NO_MODS, (8, 0)),
     ("fwd", torch.float16, 128, True, False, False, dispatch.NO_MODS, (9, 0)),
     ("fwd", torch.float32, 64, False, False, False, dispatch.NO_MODS, (8, 0)),
     ("fwd", torch.bfloat16, 64, False, False, False, (True, True, True), (8, 0)),
