@@ -16,8 +16,8 @@ from . import api, fallback
 from .dropout import draw_rng_state
 from .errors import UnsupportedArgumentError
 from .validate import (
-    check_alibi_slopes, check_flash_attn_options, check_qkv, check_softcap, check_softmax_scale, check_window,
-    require_torch_tensor,
+    check_alibi_slopes, check_dropout_p, check_flash_attn_options, check_qkv, check_softcap, check_softmax_scale,
+    check_window, require_torch_tensor,
 )
 
 # The score modifications travel through the ops as flash-attn 2 spells them: window sides
@@ -50,6 +50,7 @@ def _attention_forward_shapes(q, k, v, softmax_scale, causal, deterministic=Fals
                               softcap=0.0, alibi_slopes=None, dropout_p=0.0):
     problem = check_qkv(q, k, v)  # shape errors surface while tracing, not at run time
     _check_mods_while_tracing(q, window_left, window_right, softcap, alibi_slopes)
+    check_dropout_p(dropout_p)
     lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
     return torch.empty_like(q, memory_format=torch.contiguous_format), lse, torch.empty(2, dtype=torch.int64)
 
