@@ -27,13 +27,16 @@ class Sm80FwdConfig:
     window: bool = False  # sliding window; causal is False then (a causal window has right = 0)
     softcap: bool = False
     alibi: bool = False
+    # Dropout of the probabilities (kernels/common/philox.py); its Philox seed and offset, keep
+    # threshold and 1 / (1 - p) are runtime arguments of `call_with_mods` too.
+    dropout: bool = False
     # Packed variable-length batches: q, k, v (1, total tokens, heads, head_dim), sequences at the
     # offsets of cu_seqlens (int32, read on the device); the kernel's `call_varlen` entry point.
     varlen: bool = False
 
     @property
     def has_mods(self) -> bool:
-        return self.window or self.softcap or self.alibi
+        return self.window or self.softcap or self.alibi or self.dropout
 
 
 @dataclass(frozen=True)
@@ -54,11 +57,12 @@ class Sm80BwdConfig:
     window: bool = False  # as Sm80FwdConfig
     softcap: bool = False
     alibi: bool = False
+    dropout: bool = False  # the same mask as the forward's, regenerated
     varlen: bool = False  # as Sm80FwdConfig; the workspaces are packed (layouts.packed_stat_offset)
 
     @property
     def has_mods(self) -> bool:
-        return self.window or self.softcap or self.alibi
+        return self.window or self.softcap or self.alibi or self.dropout
 
 
 @dataclass(frozen=True)

@@ -193,16 +193,10 @@ def _compile(job):
     return job
 
 
-if __name__ == "__main__":
-    import multiprocessing
-    import os
+if __name__ == "__main__":  # python -m tests.gpu.test_window_softcap_alibi --warm: compile the tests' kernels in parallel
     import sys
-    import time
-    from concurrent.futures import ProcessPoolExecutor
+
+    from .common import warm_in_parallel
 
     if "--warm" in sys.argv:
-        start = time.time()
-        jobs = _jobs()
-        with ProcessPoolExecutor(os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(_compile, jobs))
-        print(f"warm: {len(done)} jobs in {time.time() - start:.0f} s")
+        warm_in_parallel(_compile, _jobs())
