@@ -1,11 +1,12 @@
 """Sliding windows, softcap and ALiBi on the GPU: forward and backward against the float64
 reference with the same window, cap and bias, within the yardstick (tests/gpu/common.py).
 
-Every kernel with a score modification is an sm80 kernel (dispatch: the Hopper kernels have none
-yet), on every GPU and under either CUTE_FLASH_KERNEL_ARCH; modifications that change nothing (a
-window wider than both sequences, a causal window unbounded on the left) run the plain kernels of
-the GPU's family. `python -m tests.gpu.test_window_softcap_alibi --warm` compiles every kernel the
-tests below run into the disk cache, several at once.
+A modified forward runs the forward of the GPU's family where that family serves the dtype and
+head dim (the Hopper forward on an H100 for fp16 / bf16 at 64, 96, 128, 192, 256; the sm80 one
+otherwise, and under CUTE_FLASH_KERNEL_ARCH=sm80); every modified backward is an sm80 kernel.
+Modifications that change nothing (a window wider than both sequences, a causal window unbounded
+on the left) run the plain kernels of the GPU's family. `python -m tests.gpu.test_window_softcap_alibi
+--warm` compiles every kernel the tests below run into the disk cache, several at once.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from cute_flash import dispatch
 from cute_flash.validate import score_mods
 
 from .common import (
-    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family, randn,
-    served_by,
+    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family,
+    families_of, kernels_used, randn, served_by,
 )
 
 pytestmark = pytest.mark.gpu
@@ -53,17 +54,17 @@ def kernel_problem(sq, sk, causal, mods):
     return kernel.causal, kernel.flags
 
 
-def families(head_dim, sq, sk, causal, mods):
-    """The kernel families of the forward and the backward: sm80 for a modification, else the plain
-    kernels' own."""
+def families(head_dim, dtype, sq, sk, causal, mods):
+    """The kernel families of the forward and the backward: with a modification the forward's own
+    (the Hopper forward serves them) and the sm80 backward, else the plain kernels' own."""
     if kernel_problem(sq, sk, causal, mods)[1] != dispatch.NO_MODS:
-        return "sm80", "sm80"
-    return expected_forward_family(head_dim), expected_backward_family(head_dim)
+        return expected_forward_family(head_dim, dtype), "sm80"
+    return expected_forward_family(head_dim, dtype), expected_backward_family(head_dim, dtype)
 
 
 def check(q, k, v, dout, causal, deterministic=False, **mods):
     """Forward and backward into NaN-poisoned outputs, on the expected kernels, against the reference."""
-    forward_family, backward_family = families(q.shape[-1], q.shape[1], k.shape[1], causal, mods)
+    forward_family, backward_family = families(q.shape[-1], q.dtype, q.shape[1], k.shape[1], causal, mods)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     with served_by(forward_family):
@@ -129,10 +130,11 @@ def test_flash_attn_func_autograd():
     q, k, v, dout = inputs((torch.bfloat16, 128, 4, 2), 333, 444)
     mods = dict(window_size=(50, 10), softcap=30.0, alibi_slopes=slopes(2, 4, False))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    with served_by("sm80"):
+    with kernels_used() as keys:
         out, lse, _ = cute_flash.flash_attn_func(*leaves, 0.0, None, True, (50, 10), 30.0, mods["alibi_slopes"],
                                                  False, True)
         out.backward(dout)
+    assert families_of(keys) == set(families(128, q.dtype, 333, 444, True, mods)), keys
     assert_forward_accurate(out.detach(), lse, q, k, v, True, **mods)
     assert_backward_accurate([t.grad for t in leaves], dout, q, k, v, True, **mods)
 
@@ -170,8 +172,8 @@ def _jobs():
     jobs = set()
     for (dtype, head_dim, nheads, nheads_kv), sq, sk, causal, mods, det in _cases():
         kernel_causal, flags = kernel_problem(sq, sk, causal, mods)
-        # the sm80 forward (every modified call's) has one kernel for every length
-        length = dispatch.length_class(sk, kernel_causal) if flags == dispatch.NO_MODS else "long"
+        # the Hopper forward compiles per length class, modified or not (the sm80 one ignores it)
+        length = dispatch.length_class(sk, kernel_causal)
         jobs.add(("fwd", str(dtype), head_dim, kernel_causal, length, flags))
         jobs.add(("bwd", str(dtype), head_dim, kernel_causal, (det, nheads != nheads_kv), flags))
     return sorted(jobs, key=str)
