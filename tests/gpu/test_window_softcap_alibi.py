@@ -93,6 +93,22 @@ def test_window_2048(window):
     check(q, k, v, dout, False, window_size=window)
 
 
+# Past 2048 keys: the long and mid length classes (the Hopper forward's three-warp-group tiles, its
+# dynamic schedule and stale-max softmax; a window of 1024 as in the benchmark's band).
+LONG_MODS = [{"window_size": (1024, 0)}, {"window_size": (300, 77)}, {"softcap": 30.0}, {"alibi_slopes": True}]
+LONG_CONFIGS = [(torch.bfloat16, 128, 2, 1), (torch.float16, 64, 2, 2)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mods", LONG_MODS, ids=lambda m: "-".join(m))
+@pytest.mark.parametrize("config", LONG_CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}")
+def test_long_rows(config, mods, causal):
+    q, k, v, dout = inputs(config, 3000, 3100, batch=1)
+    if "alibi_slopes" in mods:
+        mods = {"alibi_slopes": slopes(1, config[2], False)}
+    check(q, k, v, dout, causal, **mods)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("softcap", [5.0, 50.0])
 @pytest.mark.parametrize("sq, sk", [(1, 1), (113, 203), (1000, 1000), (517, 1500)], ids=str)
@@ -157,6 +173,8 @@ def _cases():
             yield config, 700, 900, causal, {"window_size": (96, 33), "softcap": 20.0, "alibi_slopes": True}, det
     for window in [(128, 128), (-1, 64), (1000, 0)]:
         yield (torch.bfloat16, 128, 2, 1), 2048, 2048, False, {"window_size": window}, False
+    for config, mods, causal in itertools.product(LONG_CONFIGS, LONG_MODS, (False, True)):
+        yield config, 3000, 3100, causal, mods, False
     for config, (sq, sk), causal in itertools.product(CONFIGS[:2], [(1, 1), (113, 203), (1000, 1000), (517, 1500)],
                                                       (False, True)):
         yield config, sq, sk, causal, {"softcap": 5.0}, False
