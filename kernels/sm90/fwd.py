@@ -26,7 +26,10 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
   in a global workspace and the last piece of a tile to finish merges them (`merge_pieces`).
 
 K/V blocks are visited from the last one down, so the blocks that need masking (the
-seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
+seqlen_k tail, the causal diagonal, a sliding window's right edge) come first and the rest run
+mask-free (but for those crossing a window's left edge, last). Score modifications
+(config.window / softcap / alibi) are compiled in only where the configuration asks; their values
+come through `call_with_mods`.
 
 Where things are: the configuration (tiles, schedule, softmax form, epilogue) in config.py, the
 tile walk in tile_scheduler.py, O's and LSE's way out in epilogue.py, the warp roles and the main
@@ -578,19 +581,19 @@ class FlashAttnFwdSm90:
     def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):
         """Algorithm 1's inner loop over the K/V blocks [n_block_min, n_block_max) of one unit,
         last block first."""
-        n_block_causal = n_block_max
+        # Blocks from n_block_right_mask on cross the causal diagonal or the window's right edge for
+        # some row of the tile, blocks below n_block_left_mask the window's left edge.
+        n_block_right_mask = n_block_max
         if const_expr(self.cfg.causal):
-            n_block_causal = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
+            n_block_right_mask = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
         n_block_left_mask = n_block_min
         if const_expr(self.cfg.window):
-            # Blocks from n_block_causal on cross the window's right edge for some row of the
-            # tile, blocks below n_block_left_mask its left edge; those between are fully visible.
-            n_block_causal, n_block_left_mask = block_ranges.n_block_window_masks(
+            n_block_right_mask, n_block_left_mask = block_ranges.n_block_window_masks(
                 c.m_block, c.seqlen_q, c.seqlen_k, *c.window
             )
         # Blocks [n_block_left_mask, n_block_unmasked) need no mask; the last block is always masked
         # (a piece's last block is inside seqlen_k unless the piece ends the row: masking is harmless).
-        n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
+        n_block_unmasked = cutlass.min(n_block_right_mask, n_block_max - 1)
         if const_expr(self.cfg.window):
             n_block_unmasked = cutlass.max(n_block_unmasked, n_block_min)
             n_block_left_mask = cutlass.max(cutlass.min(n_block_left_mask, n_block_unmasked), n_block_min)
@@ -624,8 +627,9 @@ class FlashAttnFwdSm90:
     @cute.jit
     def wg_n_block_max(self, c, n_block_min, n_block_max, block_ranges):
         """End of the K/V blocks this warp group's 64 rows need: n_block_min when none of its rows
-        exist (the last m_block of a ragged seqlen_q); causal, the end of its own rows' diagonal,
-        which for the first groups of a tile can lie a block before the tile's."""
+        exist (the last m_block of a ragged seqlen_q); causal (or with a window), the end of its own
+        rows' diagonal (right edge), which for the first groups of a tile can lie a block before
+        the tile's."""
         wg_row = c.m_block * self.cfg.tile_m + c.wg_idx * 64
         wg_n_block_max = n_block_min
         if wg_row < c.seqlen_q:
