@@ -515,12 +515,18 @@ class FlashAttnFwdSm90:
             if n_block_max > n_block_min:
                 wait_full(pipeline_q, q_state, self.cfg.spin_waits)
                 wg_n_block_max = self.wg_n_block_max(c, n_block_min, n_block_max, block_ranges)
-                runs_mainloop = wg_n_block_max > n_block_min
+                wg_n_block_min = n_block_min
+                if const_expr(self.cfg.window):
+                    wg_n_block_min, wg_n_block_max = self.wg_window_blocks(c, n_block_min, wg_n_block_max)
+                runs_mainloop = wg_n_block_max > wg_n_block_min
                 kv_state = self.pass_blocks(
                     c, kv_state, n_block_max - cutlass.max(wg_n_block_max, n_block_min), runs_mainloop
                 )
                 if runs_mainloop:
-                    kv_state = self.mainloop(c, kv_state, n_block_min, wg_n_block_max, block_ranges)
+                    kv_state = self.mainloop(c, kv_state, wg_n_block_min, wg_n_block_max, block_ranges)
+                    if const_expr(self.cfg.window):
+                        # The blocks past the window's left edge of this group's rows, visited last.
+                        kv_state = self.pass_blocks(c, kv_state, wg_n_block_min - n_block_min, True)
                 if const_expr(self.cfg.separate_o or (self.cfg.o_from_registers and not self.cfg.release_q_early)):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
@@ -627,9 +633,8 @@ class FlashAttnFwdSm90:
     @cute.jit
     def wg_n_block_max(self, c, n_block_min, n_block_max, block_ranges):
         """End of the K/V blocks this warp group's 64 rows need: n_block_min when none of its rows
-        exist (the last m_block of a ragged seqlen_q); causal (or with a window), the end of its own
-        rows' diagonal (right edge), which for the first groups of a tile can lie a block before
-        the tile's."""
+        exist (the last m_block of a ragged seqlen_q); causal, the end of its own rows' diagonal,
+        which for the first groups of a tile can lie a block before the tile's."""
         wg_row = c.m_block * self.cfg.tile_m + c.wg_idx * 64
         wg_n_block_max = n_block_min
         if wg_row < c.seqlen_q:
@@ -638,22 +643,31 @@ class FlashAttnFwdSm90:
                 wg_n_block_max = cutlass.min(
                     n_block_max, block_ranges.n_block_end(wg_row + 64, c.seqlen_q, c.seqlen_k)
                 )
-            if const_expr(self.cfg.window):
-                # The window's right edge for this group's rows alone (64-row blocks of its own).
-                _, wg_window_max = BlockRanges(64, self.cfg.tile_n, False).n_block_min_max_window(
-                    c.m_block * self.cfg.num_wg_mma + c.wg_idx, c.seqlen_q, c.seqlen_k, *c.window
-                )
-                wg_n_block_max = cutlass.min(n_block_max, wg_window_max)
         return wg_n_block_max
+
+    @cute.jit
+    def wg_window_blocks(self, c, n_block_min, wg_n_block_max):
+        """With a window, the blocks [wg_n_block_min, wg_n_block_max) of the tile's that this warp
+        group's own rows see (a 64-row BlockRanges of its own: a group's rows reach a block or two
+        less far than the tile's on either side, with 192-row tiles); (n_block_min, n_block_min)
+        when they see none or do not exist, so that the group passes the whole tile."""
+        wg_window_min, wg_window_max = BlockRanges(64, self.cfg.tile_n, False).n_block_min_max_window(
+            c.m_block * self.cfg.num_wg_mma + c.wg_idx, c.seqlen_q, c.seqlen_k, *c.window
+        )
+        wg_n_block_min = cutlass.max(n_block_min, wg_window_min)
+        wg_n_block_max = cutlass.min(wg_n_block_max, wg_window_max)
+        sees_none = wg_n_block_min >= wg_n_block_max
+        return (n_block_min if sees_none else wg_n_block_min), (n_block_min if sees_none else wg_n_block_max)
 
     @cute.jit
     def pass_blocks(self, c, kv_state, num_blocks, mainloop_follows):
         """The mainloop's waits, releases and ping-pong turns without its GEMMs and softmax, for
         blocks this warp group does not need (wg_n_block_max): every block of the tile, when none
         of its rows exist, or, causal, the first blocks visited, which only the tile's later rows
-        see. The other groups run as before and the tile costs about what its needed blocks do.
-        The mainloop takes a turn for every block but its first: a group passing the whole tile
-        takes one less, one passing blocks before its mainloop one per block."""
+        see (with a window also the last ones, past its rows' left edge: wg_window_blocks). The
+        other groups run as before and the tile costs about what its needed blocks do. The
+        mainloop takes a turn for every block but its first: a group passing the whole tile takes
+        one less, one passing blocks before or after its mainloop one per block."""
         for i in cutlass.range(num_blocks, unroll=1):
             wait_full(c.pipeline_k, kv_state, self.cfg.spin_waits)
             c.pipeline_k.consumer_release(kv_state)

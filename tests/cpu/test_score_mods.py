@@ -225,8 +225,8 @@ def test_forward_walk_visits_every_visible_block_once_and_masks_every_edge(sq, s
 def hopper_forward_walks(tile_m, tile_n, m, sq, sk, left, right):
     """The key blocks each consumer warp group of the Hopper forward visits for query block m with
     a window, in order, each with whether it is masked, and the blocks the producer loads
-    (kernels/sm90/tile_scheduler.py: unit_work; kernels/sm90/fwd.py: wg_n_block_max, mainloop;
-    the same integer steps)."""
+    (kernels/sm90/tile_scheduler.py: unit_work; kernels/sm90/fwd.py: wg_n_block_max,
+    wg_window_blocks, mainloop; the same integer steps)."""
     ranges = BlockRanges(tile_m, tile_n, False)
     n_min, n_max = ranges.n_block_min_max_window(m, sq, sk, left, right)
     n_max = max(n_max, 1)
@@ -234,18 +234,20 @@ def hopper_forward_walks(tile_m, tile_n, m, sq, sk, left, right):
     loaded = list(range(n_max - 1, n_min - 1, -1))
     walks = []
     for wg in range(tile_m // 64):
-        wg_max = n_min
-        if m * tile_m + wg * 64 < sq:
-            wg_max = min(n_max, BlockRanges(64, tile_n, False).n_block_min_max_window(
-                m * (tile_m // 64) + wg, sq, sk, left, right)[1])
+        wg_max = n_max if m * tile_m + wg * 64 < sq else n_min
+        own_min, own_max = BlockRanges(64, tile_n, False).n_block_min_max_window(
+            m * (tile_m // 64) + wg, sq, sk, left, right)
+        wg_min, wg_max = max(n_min, own_min), min(wg_max, own_max)
+        if wg_min >= wg_max:
+            wg_min = wg_max = n_min
         walk = []
-        if wg_max > n_min:
+        if wg_max > wg_min:
             right_mask, left_mask = ranges.n_block_window_masks(m, sq, sk, left, right)
-            unmasked = max(min(right_mask, wg_max - 1), n_min)
-            left_end = max(min(left_mask, unmasked), n_min)
+            unmasked = max(min(right_mask, wg_max - 1), wg_min)
+            left_end = max(min(left_mask, unmasked), wg_min)
             walk = [(wg_max - 1, True)] + [(n, True) for n in range(wg_max - 2, unmasked - 1, -1)]
             walk += [(n, False) for n in range(unmasked - 1, left_end - 1, -1)]
-            walk += [(n, True) for n in range(left_end - 1, n_min - 1, -1)]
+            walk += [(n, True) for n in range(left_end - 1, wg_min - 1, -1)]
         walks.append(walk)
     return loaded, walks
 
@@ -254,9 +256,9 @@ def hopper_forward_walks(tile_m, tile_n, m, sq, sk, left, right):
 @pytest.mark.parametrize("sq, sk", [(1, 1), (5, 300), (300, 5), (129, 257), (700, 700), (1000, 64), (640, 77)])
 def test_hopper_forward_walk_visits_every_visible_block_and_masks_every_edge(sq, sk, tile_m, tile_n):
     """Per warp group of 64 rows: every key its rows see lies in a block it visits, a block it
-    visits unmasked is fully visible to its rows, and it visits a suffix of the blocks the producer
-    loads in the producer's order (the rest it passes first, pass_blocks). Every tile loads at
-    least one block (a tile whose rows see no key runs one fully masked block)."""
+    visits unmasked is fully visible to its rows, and it visits a run of the blocks the producer
+    loads in the producer's order (the others it passes before and after, pass_blocks). Every
+    tile loads at least one block (a tile whose rows see no key runs one fully masked block)."""
     num_n = -(-sk // tile_n)
     for window in WINDOWS + [(0, -1), (5, 5), (1024, 0)]:
         left, right = (sq + sk if side < 0 else side for side in window)
@@ -267,7 +269,8 @@ def test_hopper_forward_walk_visits_every_visible_block_and_masks_every_edge(sq,
             for wg, walk in enumerate(walks):
                 rows = range(m * tile_m + wg * 64, min(m * tile_m + (wg + 1) * 64, sq))
                 blocks = [n for n, _ in walk]
-                assert blocks == loaded[len(loaded) - len(blocks):], (window, m, wg, blocks, loaded)
+                first = loaded.index(blocks[0]) if blocks else 0
+                assert blocks == loaded[first:first + len(blocks)], (window, m, wg, blocks, loaded)
                 for n in range(num_n):
                     keys = range(n * tile_n, min((n + 1) * tile_n, sk))
                     if any(seen[i][j] for i in rows for j in keys):
