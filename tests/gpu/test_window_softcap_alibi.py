@@ -109,6 +109,18 @@ def test_long_rows(config, mods, causal):
     check(q, k, v, dout, causal, **mods)
 
 
+# The Hopper forward's other head dims, all three modifications, a short and a long length class.
+OTHER_HEAD_DIMS = [(torch.bfloat16, 96, 2, 2), (torch.float16, 192, 2, 1), (torch.bfloat16, 256, 2, 2)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(700, 900), (2500, 2600)], ids=str)
+@pytest.mark.parametrize("config", OTHER_HEAD_DIMS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}")
+def test_other_head_dims(config, sq, sk, causal):
+    q, k, v, dout = inputs(config, sq, sk, batch=1)
+    check(q, k, v, dout, causal, window_size=(96, 33), softcap=20.0, alibi_slopes=slopes(1, config[2], True))
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("softcap", [5.0, 50.0])
 @pytest.mark.parametrize("sq, sk", [(1, 1), (113, 203), (1000, 1000), (517, 1500)], ids=str)
@@ -175,6 +187,9 @@ def _cases():
         yield (torch.bfloat16, 128, 2, 1), 2048, 2048, False, {"window_size": window}, False
     for config, mods, causal in itertools.product(LONG_CONFIGS, LONG_MODS, (False, True)):
         yield config, 3000, 3100, causal, mods, False
+    every = {"window_size": (96, 33), "softcap": 20.0, "alibi_slopes": True}
+    for config, (sq, sk), causal in itertools.product(OTHER_HEAD_DIMS, [(700, 900), (2500, 2600)], (False, True)):
+        yield config, sq, sk, causal, every, False
     for config, (sq, sk), causal in itertools.product(CONFIGS[:2], [(1, 1), (113, 203), (1000, 1000), (517, 1500)],
                                                       (False, True)):
         yield config, sq, sk, causal, {"softcap": 5.0}, False
