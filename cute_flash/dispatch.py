@@ -118,21 +118,27 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     """The forward kernel for this GPU and problem class. Lengths matter only through `length`
     (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's).
     `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80".
-    `mods` (window, softcap, ALiBi: validate.ScoreMods.flags) are served by the sm80 kernels on
-    every GPU, the Hopper forward having none of them yet. `varlen` (packed sequences at cu_seqlens
-    offsets) is served by the sm80 forward's `call_varlen` entry point on every GPU, with or
-    without `mods` (their values None where off). `dropout` (dropout_p > 0: kernels/common/philox.py)
-    is served by the sm80 forward's `call_with_mods` on every GPU, dense batches only."""
+    `mods` (window, softcap, ALiBi: validate.ScoreMods.flags) go to the `call_with_mods` entry
+    point of the family's forward (the Hopper forward's where it serves the dtype and head dim).
+    `varlen` (packed sequences at cu_seqlens offsets) is served by the sm80 forward's `call_varlen`
+    entry point on every GPU, with or without `mods` (their values None where off). `dropout`
+    (dropout_p > 0: kernels/common/philox.py) is served by the sm80 forward's `call_with_mods` on
+    every GPU, dense batches only."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     _check_dropout(dropout, varlen)
-    if (family or kernel_family(capability)) == "sm90" and mods == NO_MODS and not varlen and not dropout:
+    if (family or kernel_family(capability)) == "sm90" and not varlen and not dropout:
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
 
-        config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms)
+        config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms,
+                                **_mod_fields(causal, mods))
         if config is not None:
-            return Plan(FlashAttnFwdSm90, config, fake_forward_args(cdtype, head_dim, True), arch)
+            args = fake_forward_args(cdtype, head_dim, True)
+            if mods == NO_MODS:
+                return Plan(FlashAttnFwdSm90, config, args, arch)
+            return Plan(FlashAttnFwdSm90, config, args[:-1] + fake_score_mods(*mods) + args[-1:], arch,
+                        entry="call_with_mods")
     from .kernels.sm80.config import Sm80FwdConfig
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 
