@@ -208,7 +208,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     `mods` and `varlen`: its three kernels' `call_varlen` entry points; `dropout` its main kernel's
     `call_with_mods`, dense batches only)."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
-    from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig
+    from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig, bwd_default_tiles
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
     from .kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 
@@ -237,7 +237,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                           post_args, arch),
                 gqa=False, deterministic=deterministic,
             )
-    tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
+    tiles = bwd_default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)
     entry = post_entry = None

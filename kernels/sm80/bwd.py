@@ -24,7 +24,7 @@ softmax_scale because dS is the gradient w.r.t. the scaled scores). With grouped
 the host passes fp32 per-query-head dK/dV workspaces and sums the groups itself.
 
 fp32 inputs run every GEMM as split TF32 (kernels/common/tf32.py) with P and dS in fp32 in smem,
-on their own tiles (`_fp32_tiles`).
+on their own tiles (config.py: `_bwd_fp32_tiles`).
 
 Deterministic mode orders the dQ accumulation: the CTAs touching one query block add their dQ
 tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
@@ -64,21 +64,8 @@ from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.stores import store_acc, store_acc_via_smem
 from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
 from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32
-from cute_flash.kernels.sm80.config import Sm80BwdConfig
+from cute_flash.kernels.sm80.config import BWD_NUM_THREADS, Sm80BwdConfig
 from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
-
-SMEM_CAPACITY_SM80 = 163 * 1024
-SMEM_CAPACITY_SM90 = 227 * 1024  # the H100 runs this kernel too, with its larger opt-in smem
-
-
-def targets_sm90(arch: str) -> bool:
-    """Whether a compile target is the H100's (sm_90 / sm_90a), which runs this kernel too."""
-    return arch.startswith("sm_90")
-
-
-def smem_capacity(arch: str) -> int:
-    """Opt-in shared memory per CTA on a compile target."""
-    return SMEM_CAPACITY_SM90 if targets_sm90(arch) else SMEM_CAPACITY_SM80
 
 
 @cute.jit
@@ -101,7 +88,7 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
 
 
 class FlashAttnBwdSm80:
-    num_threads = 256
+    num_threads = BWD_NUM_THREADS
 
     def __init__(self, config: Sm80BwdConfig):
         self.cfg = config
@@ -129,114 +116,6 @@ class FlashAttnBwdSm80:
         self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
         self.dropout = config.dropout
         self.varlen = config.varlen
-
-    @staticmethod
-    def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False,
-                      dropout: bool = False) -> dict:
-        """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
-        (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
-        dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
-        `arch` is the compile target: ptxas allocates registers differently for sm_90a (the H100
-        runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
-        if dtype is cutlass.Float32:
-            return FlashAttnBwdSm80._fp32_tiles(head_dim, arch)
-        d = round_up(head_dim, 32)
-        if d <= 64:
-            tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
-        elif d <= 128:
-            tiles = dict(m_block_size=64, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4,
-                         atom_m_dq=2 if d % 64 == 0 else 4)
-        else:
-            wide = d % 64 == 0
-            tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
-                         atom_m_dq=2 if wide else 4)
-        # The fp32 P kept across the dP GEMM fits the registers except, compiled for sm_80, at
-        # d = 128 and 256, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
-        # dtype).
-        # Measured on the H100 against P read back from smem (2026-11-24, interleaved): d32
-        # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
-        # For sm_90a, d = 128 and 256 keep the fp32 P without spills too: fp16 as they are, bf16
-        # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on the
-        # H100 against the read-back (2026-11-24, interleaved, through autograd, 1k-16k): d128
-        # bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose 1.3-2.5%),
-        # fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to +1.1%, fp16 +0.1
-        # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
-        h100 = targets_sm90(arch)
-        tiles["p_in_registers"] = h100 or d not in (128, 256)
-        tiles["dq_chunks"] = 1
-        if h100 and d == 128 and dtype is cutlass.BFloat16:
-            tiles["atom_m_dq"] = 4
-        if h100 and d == 256:
-            # The H100's 227 KB hold a second Q buffer (FA2's choice there), which the registers
-            # allow once dQ is computed 64 columns at a time over four warps' rows; grouped-query
-            # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured against one
-            # Q buffer (2026-11-24, interleaved, through autograd): non-causal bf16 +7.6 to +8.9%,
-            # fp16 +8.6 to +9.2%, causal +1.2 to +5.4%; 2-3% more than two Q buffers with spills.
-            tiles.update(dq_chunks=4, atom_m_dq=4, p_in_registers=not gqa)
-        # At (64, 128), and at d = 256 on the H100, a second dO buffer costs the registers that
-        # keep the kernel free of spills; at d <= 64 without causal masking one dO buffer measured
-        # 1-2% faster on the H100.
-        if 64 < d <= 128 or (d <= 64 and not causal) or (h100 and d == 256):
-            stage_options = ((2, 1), (1, 1))
-        else:
-            stage_options = ((2, 2), (2, 1), (1, 1))
-        if dropout:
-            # The Philox rounds need registers the plain tiles use up: at most 64 query rows; at
-            # d = 128 and 256 dS's P comes back from smem on sm_90a too (the fp32 P spilled 24
-            # bytes there), with 64 keys (d = 128 on sm_80: 32 bytes of spill with softcap at 128).
-            tiles["m_block_size"] = min(tiles["m_block_size"], 64)
-            if d in (128, 256):
-                tiles.update(p_in_registers=False, n_block_size=64)
-        for stages_Q, stages_dO in stage_options:
-            tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-            if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
-                break
-        return tiles
-
-    @staticmethod
-    def _fp32_tiles(head_dim: int, arch: str) -> dict:
-        """fp32 operands take twice the smem of 16-bit ones: 64 x 64 blocks up to d = 128 (160 KB
-        with one Q and one dO buffer there), 32 x 32 above (64 x 32 on the H100's 227 KB); warp
-        layouts whose sub-tiles are whole m16 x n8 TF32 atoms."""
-        d = round_up(head_dim, 32)
-        if d <= 128:
-            tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
-        elif targets_sm90(arch):
-            tiles = dict(m_block_size=64, n_block_size=32, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4)
-        else:
-            tiles = dict(m_block_size=32, n_block_size=32, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
-        tiles.update(p_in_registers=True, dq_chunks=1)
-        for stages_Q, stages_dO in ((2, 2), (2, 1), (1, 1)):
-            tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-            if FlashAttnBwdSm80.smem_bytes(cutlass.Float32, head_dim, **tiles) <= smem_capacity(arch):
-                break
-        return tiles
-
-    @staticmethod
-    def smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
-        d = round_up(head_dim, 32)
-        elems = (m_block_size * d * (num_stages_Q + num_stages_dO) + 2 * n_block_size * d
-                 + 2 * m_block_size * n_block_size)
-        return elems * dtype.width // 8 + 4 * 128 * (num_stages_Q + num_stages_dO)
-
-    @staticmethod
-    def can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", **tiles) -> bool:
-        if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32) or head_dim % 8 != 0 or head_dim > 256:
-            return False
-        t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
-        d = round_up(head_dim, 32)
-        warps = FlashAttnBwdSm80.num_threads // 32
-        n_unit = 8 if dtype is cutlass.Float32 else 16  # N extent of one warp's atom (tiled_mma_sm80)
-        ok_tiles = (
-            t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
-            and t["n_block_size"] % (n_unit * warps // t["atom_m_sdp"]) == 0
-            and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
-            and d % (n_unit * warps // t["atom_n_dkv"]) == 0
-            and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
-            and d % t.get("dq_chunks", 1) == 0
-            and d // t.get("dq_chunks", 1) % (n_unit * warps // t["atom_m_dq"]) == 0
-        )
-        return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -881,8 +760,6 @@ class FlashAttnBwdSm80:
             cute.arch.barrier()
             if tidx == 0:
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
-
-
 
 
 def dq_accum_offset(chunk: int, chunk_elems: int, tidx: Int32) -> Int32:

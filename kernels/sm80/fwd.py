@@ -54,9 +54,7 @@ from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_arg
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
-from .config import Sm80FwdConfig
-
-SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
+from .config import SMEM_CAPACITY_SM80, Sm80FwdConfig
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
@@ -157,7 +155,7 @@ class FlashAttnFwdSm80:
         if num_stages < 1 or tile_n % 16 != 0 or tile_m % (16 * num_warps) != 0:
             return False
         smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype)
-        return smem <= SMEM_CAPACITY
+        return smem <= SMEM_CAPACITY_SM80
 
     @staticmethod
     def default_tiles(dtype, head_dim, causal, dropout: bool = False) -> dict:
