@@ -64,7 +64,7 @@ from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.stores import store_acc, store_acc_via_smem
 from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
 from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32
-from cute_flash.kernels.sm80.config import BWD_NUM_THREADS, Sm80BwdConfig
+from cute_flash.kernels.sm80.config import BWD_NUM_THREADS, Sm80BwdConfig, bwd_smem_bytes
 from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
 
 
@@ -89,6 +89,7 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
 
 class FlashAttnBwdSm80:
     num_threads = BWD_NUM_THREADS
+    smem_bytes = staticmethod(bwd_smem_bytes)  # asked by `cute-flash check` and the layout explorer
 
     def __init__(self, config: Sm80BwdConfig):
         self.cfg = config
