@@ -12,11 +12,12 @@ import torch
 from . import device as devices
 from . import dispatch
 from .errors import MissingTensorError
+from .dropout import kernel_dropout_args
 from .launchers import backward_launcher, forward_launcher
 from .tensors import VECTOR_BYTES
 from .validate import (
     check_alibi_slopes, check_device, check_flag, check_like, check_qkv, check_softcap, check_softmax_scale,
-    check_window, lse_shape, score_mods,
+    check_dropout_p, check_window, lse_shape, score_mods,
 )
 
 
@@ -130,14 +131,31 @@ def _launcher(memo: dict, plan_of, device: torch.device, *problem):
     return launch
 
 
-def _plan_forward(capability, dtype, head_dim, causal, length, mods):
+def _plan_forward(capability, dtype, head_dim, causal, length, mods, dropout=False):
     plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, devices.sm_count(torch.cuda.current_device()),
-                                 mods=mods)
+                                 mods=mods, dropout=dropout)
     return forward_launcher(plan)
 
 
-def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods):
-    return backward_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods))
+def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods, dropout=False):
+    return backward_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods,
+                                                    dropout=dropout))
+
+
+def _dropout(dropout_p, rng_state, mod_args):
+    """The checked dropout_p and the kernels' mod arguments with dropout's appended (`call_with_mods`
+    takes them after the score modifications': None for those left out)."""
+    p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else check_dropout_p(dropout_p)
+    if p == 0.0:
+        return p, mod_args + (None,) * 4 if mod_args else mod_args
+    if not isinstance(rng_state, torch.Tensor) or rng_state.shape != (2,) or rng_state.dtype != torch.int64 \
+            or rng_state.device.type != "cpu":
+        raise MissingTensorError(
+            "dropout_p > 0 needs rng_state: the int64 (2,) CPU tensor [seed, offset] of "
+            f"cute_flash.dropout.draw_rng_state (the backward takes the forward's), got {rng_state!r}")
+    if not mod_args:
+        mod_args = (None,) * 4
+    return p, mod_args + kernel_dropout_args(p, rng_state)
 
 
 def _score_mods(problem, causal, window_size, softcap, alibi_slopes):
@@ -158,19 +176,23 @@ def _score_mods(problem, causal, window_size, softcap, alibi_slopes):
 
 
 def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-            alibi_slopes=None):
+            alibi_slopes=None, dropout_p=0.0, rng_state=None):
     """Attention forward on any DLPack-capable GPU tensors; returns (out, lse) in q's framework
     (torch tensors for torch, CuPy arrays for CuPy, JAX arrays for JAX: zero copy).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim).
     `out` (like q) and `lse` ((batch, nheads, seqlen_q), float32) are written when given, and returned.
     window_size, softcap and alibi_slopes (a torch float32 tensor) as in flash-attn 2 (docs/api.md).
+    dropout_p in [0, 1) drops probabilities with the Philox stream of `rng_state` (int64 (2,) CPU
+    tensor [seed, offset]: cute_flash.dropout.draw_rng_state) and scales the kept ones by
+    1 / (1 - dropout_p); lse stays that of the full softmax.
     """
     caller_q, caller_out, caller_lse = q, out, lse
     q, k, v, out, lse = as_torch("q", q), as_torch("k", k), as_torch("v", v), as_torch("out", out), as_torch("lse", lse)
     problem = check_qkv(q, k, v)
     causal = check_flag("causal", causal)
     mods, mod_args = _score_mods(problem, causal, window_size, softcap, alibi_slopes)
+    dropout_p, mod_args = _dropout(dropout_p, rng_state, mod_args)
     tensors = {"q": q, "k": k, "v": v}
     if mods.alibi_slopes is not None:
         tensors["alibi_slopes"] = mods.alibi_slopes
@@ -185,7 +207,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, wi
     with _on(device):
         length = dispatch.length_class(problem.seqlen_k, mods.causal)
         launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, mods.causal, length,
-                           mods.flags)
+                           mods.flags, dropout_p != 0.0)
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         q_k, scale_k = _uniform_scores(q, scale)
@@ -205,11 +227,12 @@ def _uniform_scores(q, scale: float):
 
 
 def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
-             deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+             deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     """Gradients of attention w.r.t. q, k, v on any DLPack GPU tensors; returns (dq, dk, dv) in the
     framework of q, k and v (as `forward`).
 
-    `lse` is the one `forward` returned (with the same causal, window_size, softcap, alibi_slopes).
+    `lse` is the one `forward` returned (with the same causal, window_size, softcap, alibi_slopes,
+    dropout_p and rng_state: the backward regenerates the forward's dropout mask).
     `dq`, `dk`, `dv` are written when given, and returned.
     """
     callers = (q, k, v), (dq, dk, dv)
@@ -221,6 +244,7 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
     check_like("lse", lse, lse_shape(problem), torch.float32)
     causal = check_flag("causal", causal)
     mods, mod_args = _score_mods(problem, causal, window_size, softcap, alibi_slopes)
+    dropout_p, mod_args = _dropout(dropout_p, rng_state, mod_args)
     tensors = {"dout": dout, "q": q, "k": k, "v": v, "out": out, "lse": lse}
     if mods.alibi_slopes is not None:
         tensors["alibi_slopes"] = mods.alibi_slopes
@@ -236,7 +260,7 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
         grads = [output_buffer(grad, _like(like)) for grad, like in ((dq, q), (dk, k), (dv, v))]
         gqa = problem.nheads != problem.nheads_kv
         launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, mods.causal,
-                           deterministic, gqa, mods.flags)
+                           deterministic, gqa, mods.flags, dropout_p != 0.0)
         q_k, scale_k = _uniform_scores(q, scale)
         launch(kernel_input(dout), q_k, kernel_input(k), kernel_input(v), kernel_input(out),
                kernel_input(lse, STAT_ALIGN), *grads, scale_k, *mod_args)

@@ -13,10 +13,11 @@ from typing import Any, Optional
 import torch
 
 from . import api, fallback
+from .dropout import draw_rng_state
 from .errors import UnsupportedArgumentError
 from .validate import (
-    check_alibi_slopes, check_flash_attn_options, check_qkv, check_softcap, check_softmax_scale, check_window,
-    require_torch_tensor,
+    check_alibi_slopes, check_dropout_p, check_flash_attn_options, check_qkv, check_softcap, check_softmax_scale,
+    check_window, require_torch_tensor,
 )
 
 # The score modifications travel through the ops as flash-attn 2 spells them: window sides
@@ -26,11 +27,16 @@ from .validate import (
 @torch.library.custom_op("cute_flash::attention_forward", mutates_args=())
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
                       causal: bool, deterministic: bool = False, window_left: int = -1, window_right: int = -1,
-                      softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    # `deterministic` only travels to the backward (through the autograd context).
-    return api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
-                       softcap=softcap, alibi_slopes=alibi_slopes)
+                      softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # `deterministic` only travels to the backward (through the autograd context). The dropout
+    # stream is drawn here, at run time (a compiled graph must not freeze it), and returned for the
+    # backward: int64 [seed, offset] on the CPU, zeros without dropout.
+    rng_state = (draw_rng_state(q.device, q.shape[0], q.shape[2]) if dropout_p != 0.0
+                 else torch.zeros(2, dtype=torch.int64))
+    out, lse = api.forward(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                           softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
+    return out, lse, rng_state
 
 
 def _check_mods_while_tracing(q, window_left, window_right, softcap, alibi_slopes):
@@ -41,49 +47,52 @@ def _check_mods_while_tracing(q, window_left, window_right, softcap, alibi_slope
 
 @attention_forward.register_fake
 def _attention_forward_shapes(q, k, v, softmax_scale, causal, deterministic=False, window_left=-1, window_right=-1,
-                              softcap=0.0, alibi_slopes=None):
+                              softcap=0.0, alibi_slopes=None, dropout_p=0.0):
     problem = check_qkv(q, k, v)  # shape errors surface while tracing, not at run time
     _check_mods_while_tracing(q, window_left, window_right, softcap, alibi_slopes)
+    check_dropout_p(dropout_p)
     lse = q.new_empty((problem.batch, problem.nheads, problem.seqlen_q), dtype=torch.float32)
-    return torch.empty_like(q, memory_format=torch.contiguous_format), lse
+    return torch.empty_like(q, memory_format=torch.contiguous_format), lse, torch.empty(2, dtype=torch.int64)
 
 
 @torch.library.custom_op("cute_flash::attention_backward", mutates_args=())
 def attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, softmax_scale: float, causal: bool,
                        deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-                       alibi_slopes: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       alibi_slopes: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                       rng_state: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return api.backward(dout, q, k, v, out, lse, softmax_scale=softmax_scale, causal=causal,
                         deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
-                        alibi_slopes=alibi_slopes)
+                        alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_state=rng_state)
 
 
 @attention_backward.register_fake
 def _attention_backward_shapes(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left=-1,
-                               window_right=-1, softcap=0.0, alibi_slopes=None):
+                               window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 def _save_for_backward(ctx, inputs, output):
-    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, alibi_slopes, dropout_p = inputs
+    out, lse, rng_state = output
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes, rng_state)
     ctx.softmax_scale, ctx.causal, ctx.deterministic = softmax_scale, causal, deterministic
-    ctx.window_left, ctx.window_right, ctx.softcap = window_left, window_right, softcap
-    ctx.mark_non_differentiable(lse)  # returned for inspection; no gradient flows through it
+    ctx.window_left, ctx.window_right, ctx.softcap, ctx.dropout_p = window_left, window_right, softcap, dropout_p
+    ctx.mark_non_differentiable(lse, rng_state)  # returned for inspection; no gradient flows through them
     ctx.set_materialize_grads(False)  # lse's gradient would otherwise be a zero-filled tensor
 
 
-_NO_INPUT_GRADS = (None,) * 7  # softmax_scale, causal, deterministic, window sides, softcap, alibi_slopes
+_NO_INPUT_GRADS = (None,) * 8  # softmax_scale, causal, deterministic, window sides, softcap, alibi_slopes, dropout_p
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, _drng_state):
     if dout is None:  # only lse reached the loss, and lse has no gradient
         return (None, None, None) + _NO_INPUT_GRADS
-    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes, rng_state = ctx.saved_tensors
     deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv = attention_backward(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, deterministic,
-                                    ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes)
+                                    ctx.window_left, ctx.window_right, ctx.softcap, alibi_slopes, ctx.dropout_p,
+                                    rng_state)
     return (dq, dk, dv) + _NO_INPUT_GRADS
 
 
@@ -92,13 +101,13 @@ attention_forward.register_autograd(_backward, setup_context=_save_for_backward)
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None, causal: bool,
               deterministic: bool, window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-              alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for torch tensors, through autograd when a gradient is needed; (out, None) on a
-    GPU older than sm_80 (fallback.py). window and softcap checked (check_flash_attn_options)."""
+    GPU older than sm_80 (fallback.py). window, softcap and dropout_p checked (check_flash_attn_options)."""
     # The default scale needs the head dim; a q of the wrong rank gets its typed error here.
     head_dim = q.shape[3] if q.dim() == 4 else check_qkv(q, k, v).head_dim
     scale = check_softmax_scale(softmax_scale, head_dim)
-    plain = window == (-1, -1) and softcap == 0.0 and alibi_slopes is None
+    plain = window == (-1, -1) and softcap == 0.0 and alibi_slopes is None and dropout_p == 0.0
     if alibi_slopes is not None:  # its typed error before anything runs
         problem = check_qkv(q, k, v)
         check_alibi_slopes(alibi_slopes, problem.batch, problem.nheads, q.device)
@@ -106,12 +115,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
     if older_gpu is not None:
         if not plain:
             raise UnsupportedArgumentError(
-                "window_size, softcap and alibi_slopes need cute-flash's kernels (sm_80 or newer); the fallback "
+                "window_size, softcap, alibi_slopes and dropout_p need cute-flash's kernels (sm_80 or newer); the "
+                "fallback "
                 "to torch's scaled_dot_product_attention on this GPU has none of them")
         return fallback.attention(q, k, v, scale, causal, deterministic, older_gpu), None
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if needs_grad or torch.compiler.is_compiling():
-        return attention_forward(q, k, v, scale, causal, deterministic, *window, softcap, alibi_slopes)
+    if needs_grad or torch.compiler.is_compiling() or dropout_p != 0.0:
+        out, lse, _ = attention_forward(q, k, v, scale, causal, deterministic, *window, softcap, alibi_slopes,
+                                        dropout_p)
+        return out, lse
     if plain:
         return api.forward(q, k, v, softmax_scale=scale, causal=causal)
     return api.forward(q, k, v, softmax_scale=scale, causal=causal, window_size=window, softcap=softcap,
@@ -120,8 +132,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
 
 def results(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool, return_lse: bool) -> Any:
     """flash-attn 2's return convention: `(out, softmax_lse, S_dmask)` with `return_attn_probs`,
-    where S_dmask (the probabilities with the dropout pattern) exists only for dropout_p > 0, which
-    cute-flash rejects; so it is None here, as in flash-attn 2 with dropout_p = 0."""
+    where S_dmask (the probabilities with the dropout pattern) exists only for dropout_p > 0, where
+    cute-flash rejects return_attn_probs (check_flash_attn_options); so it is None here, as in
+    flash-attn 2 with dropout_p = 0."""
     if lse is None and (return_attn_probs or return_lse):
         raise UnsupportedArgumentError(
             "return_lse and return_attn_probs need cute-flash's kernels (sm_80 or newer); on this GPU "
@@ -160,7 +173,11 @@ def flash_attn_func(
     i + seqlen_k - seqlen_q - left ... i + seqlen_k - seqlen_q + right, -1 unbounded; causal sets
     right = 0), softcap (scores s -> softcap * tanh(s / softcap)), alibi_slopes (float32,
     (nheads,) or (batch, nheads): bias -slope * |i + seqlen_k - seqlen_q - j|; no gradient).
-    Rejected with `UnsupportedArgumentError`: dropout_p != 0.
+    dropout_p in [0, 1): dropout of the probabilities after the softmax (kept ones scaled by
+    1 / (1 - dropout_p), lse unchanged) with an in-kernel Philox stream drawn from torch's CUDA
+    generator, so `torch.manual_seed` reproduces a call; the backward regenerates the mask.
+    `cute_flash.dropout.dropout_keep_mask` regenerates it for tests; return_attn_probs=True with
+    dropout_p > 0 is rejected with `UnsupportedArgumentError`.
 
     Returns `out` (like q); `(out, lse)` with `return_lse=True`; `(out, lse, None)` with
     `return_attn_probs=True` (lse: (batch, nheads, seqlen_q) float32, natural log of the softmax
@@ -170,7 +187,8 @@ def flash_attn_func(
     require_torch_tensor("q", q)
     require_torch_tensor("k", k)
     require_torch_tensor("v", v)
-    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse)
-    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes)
+    options = check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes, deterministic,
+                                       return_attn_probs, return_lse)
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, return_lse = options
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes, dropout_p)
     return results(out, lse, return_attn_probs, return_lse)

@@ -24,8 +24,8 @@ from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError
 from .validate import check_kernel_dtype
 from .tensors import (
-    fake_block_table, fake_bshd, fake_dq_accum, fake_int32_vector, fake_rowstat, fake_score_mods, fake_semaphore,
-    fake_stream, fake_tail_split_workspace,
+    fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_rowstat, fake_score_mods,
+    fake_semaphore, fake_stream, fake_tail_split_workspace,
 )
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
@@ -114,45 +114,60 @@ NO_MODS = (False, False, False)
 
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                  length: str = "long", num_sms: int | None = None, family: str | None = None,
-                 mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False) -> Plan:
+                 mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False, dropout: bool = False) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `length`
     (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's).
     `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80".
-    `mods` (window, softcap, ALiBi: validate.ScoreMods.flags) are served by the sm80 kernels on
-    every GPU, the Hopper forward having none of them yet. `varlen` (packed sequences at cu_seqlens
-    offsets) is served by the sm80 forward's `call_varlen` entry point on every GPU, with or
-    without `mods` (their values None where off)."""
+    `mods` (window, softcap, ALiBi: validate.ScoreMods.flags) go to the `call_with_mods` entry
+    point of the family's forward (the Hopper forward's where it serves the dtype and head dim).
+    `varlen` (packed sequences at cu_seqlens offsets) is served by the sm80 forward's `call_varlen`
+    entry point on every GPU, with or without `mods` (their values None where off). `dropout`
+    (dropout_p > 0: kernels/common/philox.py) is served by the sm80 forward's `call_with_mods` on
+    every GPU, dense batches only."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
-    if (family or kernel_family(capability)) == "sm90" and mods == NO_MODS and not varlen:
+    _check_dropout(dropout, varlen)
+    if (family or kernel_family(capability)) == "sm90" and not varlen and not dropout:
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
 
-        config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms)
+        config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms,
+                                **_mod_fields(causal, mods))
         if config is not None:
-            return Plan(FlashAttnFwdSm90, config, fake_forward_args(cdtype, head_dim, True), arch)
+            args = fake_forward_args(cdtype, head_dim, True)
+            if mods == NO_MODS:
+                return Plan(FlashAttnFwdSm90, config, args, arch)
+            return Plan(FlashAttnFwdSm90, config, args[:-1] + fake_score_mods(*mods) + args[-1:], arch,
+                        entry="call_with_mods")
     from .kernels.sm80.config import Sm80FwdConfig
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 
-    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal)
+    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal, dropout)
     if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
-    config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods), varlen=varlen)
+    config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods, dropout), varlen=varlen)
     args = fake_forward_args(cdtype, head_dim, False)
     if varlen:  # + cu_seqlens_q, cu_seqlens_k, max_seqlen_q before the scale
         args = args[:5] + (fake_int32_vector(), fake_int32_vector(), cutlass.Int32(1)) + args[5:-1] + \
             fake_score_mods(*mods) + args[-1:]
         return Plan(FlashAttnFwdSm80, config, args, arch, entry="call_varlen")
-    if mods == NO_MODS:
+    if mods == NO_MODS and not dropout:
         return Plan(FlashAttnFwdSm80, config, args, arch)
-    return Plan(FlashAttnFwdSm80, config, args[:-1] + fake_score_mods(*mods) + args[-1:], arch, entry="call_with_mods")
+    return Plan(FlashAttnFwdSm80, config, args[:-1] + fake_score_mods(*mods) + fake_dropout_args(dropout) + args[-1:],
+                arch, entry="call_with_mods")
 
 
-def _mod_fields(causal: bool, mods: tuple[bool, bool, bool]) -> dict:
+def _check_dropout(dropout: bool, varlen: bool) -> None:
+    if dropout and varlen:
+        raise ValueError("dropout has no packed variable-length kernels (validate rejects dropout_p > 0 there)")
+
+
+def _mod_fields(causal: bool, mods: tuple[bool, bool, bool], dropout: bool = False) -> dict:
     window, softcap, alibi = mods
     if window and causal:
         raise ValueError("a causal window comes as window right = 0 with causal=False (validate.score_mods)")
-    return dict(window=window, softcap=softcap, alibi=alibi) if mods != NO_MODS else {}
+    fields = dict(window=window, softcap=softcap, alibi=alibi) if mods != NO_MODS else {}
+    return dict(fields, dropout=True) if dropout else fields
 
 
 @dataclass(frozen=True)
@@ -184,20 +199,22 @@ def _backward_main_args(cdtype, head_dim: int, dkv_dtype, stat_align: int = 4) -
 
 def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                   deterministic: bool = False, gqa: bool = False, family: str | None = None,
-                  mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False) -> BackwardPlan:
+                  mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False, dropout: bool = False) -> BackwardPlan:
     """The backward kernels for this GPU: on sm_90 the Hopper backward where its configuration
     covers the head dim (it sums GQA groups itself), else the sm80 family's (compiled for the GPU's
     own target, whose register allocation the tiles depend on), whose main kernel writes
     per-query-head fp32 dK / dV under GQA that the launcher sums per group. Both share the sm80
     preprocess. `family`, `mods` and `varlen` as for plan_forward (the sm80 family serves every
-    `mods` and `varlen`: its three kernels' `call_varlen` entry points)."""
+    `mods` and `varlen`: its three kernels' `call_varlen` entry points; `dropout` its main kernel's
+    `call_with_mods`, dense batches only)."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
-    from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig
+    from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig, bwd_default_tiles
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
     from .kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
 
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
+    _check_dropout(dropout, varlen)
     pre_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(),
                 fake_rowstat(), fake_stream())
     post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
@@ -205,7 +222,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
         pre_args = pre_args[:-1] + (fake_int32_vector(), cutlass.Int32(1)) + pre_args[-1:]
     pre = Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim, varlen), pre_args, arch,
                entry="call_varlen" if varlen else None)
-    if (family or kernel_family(capability)) == "sm90" and mods == NO_MODS and not varlen:
+    if (family or kernel_family(capability)) == "sm90" and mods == NO_MODS and not varlen and not dropout:
         from .kernels.sm90.bwd import FlashAttnBwdSm90
         from .kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
         from .kernels.sm90.config import Sm90BwdPostConfig, backward_config
@@ -220,7 +237,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                           post_args, arch),
                 gqa=False, deterministic=deterministic,
             )
-    tiles = FlashAttnBwdSm80.default_tiles(cdtype, head_dim, causal, arch, gqa)
+    tiles = bwd_default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)
     entry = post_entry = None
@@ -229,9 +246,10 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
             main_args[10:-1] + fake_score_mods(*mods) + main_args[-1:]
         post_args = post_args[:2] + (fake_int32_vector(), cutlass.Int32(1)) + post_args[2:]
         entry = post_entry = "call_varlen"
-    elif mods != NO_MODS:
-        main_args, entry = main_args[:-1] + fake_score_mods(*mods) + main_args[-1:], "call_with_mods"
-    config = Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles, **_mod_fields(causal, mods),
+    elif mods != NO_MODS or dropout:
+        main_args = main_args[:-1] + fake_score_mods(*mods) + fake_dropout_args(dropout) + main_args[-1:]
+        entry = "call_with_mods"
+    config = Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles, **_mod_fields(causal, mods, dropout),
                            varlen=varlen)
     return BackwardPlan(
         pre=pre,

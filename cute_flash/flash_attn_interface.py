@@ -39,10 +39,10 @@ def flash_attn_qkvpacked_func(
     Same arguments, rules and returns as `flash_attn_func`; gradients flow to `qkv`.
     """
     check_packed("qkv", qkv, 3, "(batch, seqlen, 3, nheads, headdim)")
-    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
     q, k, v = qkv.unbind(dim=2)
-    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes)
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes, dropout_p)
     return results(out, lse, return_attn_probs, False)
 
 
@@ -65,10 +65,10 @@ def flash_attn_kvpacked_func(
     """
     require_torch_tensor("q", q)
     check_packed("kv", kv, 2, "(batch, seqlen_k, 2, nheads_kv, headdim)")
-    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
         dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
     k, v = kv.unbind(dim=2)
-    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes)
+    out, lse = attention(q, k, v, softmax_scale, causal, deterministic, window, softcap, alibi_slopes, dropout_p)
     return results(out, lse, return_attn_probs, False)
 
 
@@ -88,8 +88,8 @@ def flash_attn_varlen_qkvpacked_func(
     """`flash_attn_varlen_func` on qkv: (total, 3, nheads, headdim), q, k and v stacked on dim 1,
     one cu_seqlens and max_seqlen for queries and keys. Gradients flow to `qkv`."""
     check_packed("qkv", qkv, 3, "(total, 3, nheads, headdim)", axis=1)
-    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False, varlen=True)
     q, k, v = qkv.unbind(dim=1)
     out, lse = varlen_attention(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale, causal,
                                 deterministic, window, softcap, alibi_slopes)
@@ -116,8 +116,8 @@ def flash_attn_varlen_kvpacked_func(
     headdim), k and v stacked on dim 1. Gradients flow to `q` and `kv`."""
     require_torch_tensor("q", q)
     check_packed("kv", kv, 2, "(total_k, 2, nheads_kv, headdim)", axis=1)
-    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False, varlen=True)
     k, v = kv.unbind(dim=1)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                 causal, deterministic, window, softcap, alibi_slopes)

@@ -40,8 +40,8 @@ from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_wo
 
 
 def forward_launcher(plan: Plan) -> Callable:
-    """`launch(q, k, v, out, lse, softmax_scale)` for a forward plan: compiles (or loads) its kernel
-    and adds the per-call arguments that kernel takes beyond these."""
+    """`launch(q, k, v, out, lse, softmax_scale[, *score_mods])` for a forward plan: compiles (or
+    loads) its kernel and adds the per-call arguments that kernel takes beyond these."""
     compiled = plan.compiled()
     if isinstance(plan.config, Sm90FwdConfig):
         return sm90_forward_launcher(compiled, plan.config)
@@ -92,13 +92,14 @@ def _walk_plan(device_index: int, seqlen_q: int, seqlen_k: int, num_heads_batch:
 
 
 def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
-    """`launch(q, k, v, out, lse, softmax_scale)` for a compiled FlashAttnFwdSm90 of `config`:
-    plans the tail split of this call and passes its workspace."""
+    """`launch(q, k, v, out, lse, softmax_scale[, *score_mods])` for a compiled FlashAttnFwdSm90 of
+    `config`: plans the tail split of this call and passes its workspace (and the score
+    modifications' values to a kernel with them: its `call_with_mods`)."""
     tile_m, tile_n, head_dim, num_sms = config.tile_m, config.tile_n, config.head_dim, config.num_sms
     # What the kernel takes in its workspace slots.
     splits_tail, counts_units, plans_tail = config.splits_tail, config.dynamic_schedule, config.planned_tail
 
-    def launch(q, k, v, out, lse, softmax_scale):
+    def launch(q, k, v, out, lse, softmax_scale, *mods):
         plan, whole_tiles = None, 0
         if splits_tail:
             batch, seqlen_q, heads, _ = q.shape
@@ -121,7 +122,7 @@ def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
                 batch, seqlen_q, heads, _ = q.shape
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
-        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0)
+        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0, *mods)
 
     return launch
 

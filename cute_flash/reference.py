@@ -46,7 +46,8 @@ def alibi_bias(slopes: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tens
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None = None,
                         causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
-                        alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        alibi_slopes: torch.Tensor | None = None, dropout_p: float = 0.0,
+                        dropout_keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention computed in float64, differentiable.
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim), torch
@@ -60,6 +61,10 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softm
     softcap * tanh(s / softcap) when softcap > 0, then the ALiBi bias
     -slope * |i + seqlen_k - seqlen_q - j| is added (alibi_slopes: float32, (nheads,) or
     (batch, nheads)), then keys outside the window (`visible_keys`) are masked.
+
+    Dropout: with dropout_keep (bool, broadcastable to (batch, nheads, seqlen_q, seqlen_k), e.g.
+    cute_flash.dropout.dropout_keep_mask of a call), the probabilities it drops become 0 and the
+    kept ones are scaled by 1 / (1 - dropout_p) before P V; lse is that of the full softmax.
     """
     check_reference_inputs(q, k, v)
     scale = check_softmax_scale(softmax_scale, q.shape[-1])
@@ -86,6 +91,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softm
     weights = torch.exp(scores - row_max)
     denom = weights.sum(dim=-1, keepdim=True)
     probs = weights / denom.clamp_min(torch.finfo(torch.float64).tiny)
+    if dropout_keep is not None:
+        probs = probs * dropout_keep.to(probs.device) / (1.0 - dropout_p)
     out = torch.matmul(probs, vh).transpose(1, 2)
     lse = (torch.log(denom) + row_max).squeeze(-1)
     return out, lse

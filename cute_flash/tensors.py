@@ -79,6 +79,11 @@ def fake_score_mods(window: bool, softcap: bool, alibi: bool) -> tuple:
         else None))
 
 
+def fake_dropout_args(dropout: bool) -> tuple:
+    """`call_with_mods`' dropout arguments: Philox seed and offset, keep threshold, 1 / (1 - p); None where off."""
+    return (cutlass.Int64(0), cutlass.Int64(0), cutlass.Int32(0), cutlass.Float32(1.0)) if dropout else (None,) * 4
+
+
 def fake_int32_vector() -> cute.Tensor:
     """(batch,) int32 per-sequence values: the decode kernel's key counts and cache entries."""
     return make_fake_tensor(cutlass.Int32, (_sym_extent(),), (1,), assumed_align=4)

@@ -265,24 +265,37 @@ def score_mods(causal: bool, window: tuple[int, int], softcap: float, alibi_slop
 
 
 def check_flash_attn_options(dropout_p, causal, window_size, softcap, alibi_slopes, deterministic,
-                             return_attn_probs, return_lse):
+                             return_attn_probs, return_lse, varlen: bool = False):
     """The non-tensor arguments of flash-attn's interface: each is honoured or rejected with a typed
-    error, never ignored. Returns (causal, window, softcap, alibi_slopes, deterministic,
-    return_attn_probs, return_lse), window and softcap checked (check_window, check_softcap);
-    alibi_slopes is checked against q's shape later (check_alibi_slopes)."""
+    error, never ignored. Returns (dropout_p, causal, window, softcap, alibi_slopes, deterministic,
+    return_attn_probs, return_lse), dropout_p, window and softcap checked (check_dropout_p,
+    check_window, check_softcap); alibi_slopes is checked against q's shape later
+    (check_alibi_slopes). Rejected with UnsupportedArgumentError: dropout on a packed
+    variable-length batch (`varlen`), and return_attn_probs with dropout (the probabilities are not
+    returned: cute_flash.dropout.dropout_keep_mask regenerates the mask)."""
     # Every call pays for this check: the usual values take one comparison chain.
-    if not (type(dropout_p) is float and dropout_p == 0.0):
-        p = _real("dropout_p", dropout_p)
-        if not 0.0 <= p <= 1.0:
-            raise InvalidDimensionError(f"dropout_p must be in [0, 1], got {dropout_p}")
-        if p != 0.0:
-            raise UnsupportedArgumentError(
-                f"dropout_p={dropout_p} is not supported: cute-flash has no attention dropout; pass dropout_p=0.0"
-            )
+    p = 0.0 if type(dropout_p) is float and dropout_p == 0.0 else check_dropout_p(dropout_p)
     window = (-1, -1) if type(window_size) is tuple and window_size == (-1, -1) else check_window(window_size)
     cap = 0.0 if type(softcap) is float and softcap == 0.0 else check_softcap(softcap)
-    return (check_flag("causal", causal), window, cap, alibi_slopes, check_flag("deterministic", deterministic),
-            check_flag("return_attn_probs", return_attn_probs), check_flag("return_lse", return_lse))
+    return_attn_probs = check_flag("return_attn_probs", return_attn_probs)
+    if p != 0.0 and varlen:
+        raise UnsupportedArgumentError(
+            f"dropout_p={dropout_p} on a packed variable-length batch is not supported: cute-flash's dropout "
+            "kernels take dense batches (flash_attn_func); pass dropout_p=0.0")
+    if p != 0.0 and return_attn_probs:
+        raise UnsupportedArgumentError(
+            "return_attn_probs=True with dropout_p > 0 is not supported: cute-flash does not return the "
+            "probabilities; cute_flash.dropout.dropout_keep_mask regenerates the dropout mask of a call")
+    return (p, check_flag("causal", causal), window, cap, alibi_slopes, check_flag("deterministic", deterministic),
+            return_attn_probs, check_flag("return_lse", return_lse))
+
+
+def check_dropout_p(dropout_p) -> float:
+    """flash-attn's dropout_p: a probability in [0, 1)."""
+    p = _real("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise InvalidDimensionError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return p
 
 
 def check_packed(name: str, t, count: int, axes: str, axis: int = 2) -> None:

@@ -250,15 +250,15 @@ def flash_attn_varlen_func(
     sequence's length. fp16, bf16 or fp32, headdim any multiple of 8 up to 256, on an sm_80-or-newer
     GPU. causal (bottom-right aligned per sequence), window_size, softcap, alibi_slopes ((nheads,) or
     (batch, nheads) float32) and deterministic as flash_attn_func, each applied per sequence.
-    dropout_p != 0 is rejected with UnsupportedArgumentError.
+    dropout_p != 0 is rejected with UnsupportedArgumentError (dropout has dense kernels only).
 
     Returns out (total_q, nheads, headdim), or (out, softmax_lse, None) with return_attn_probs
     (softmax_lse (nheads, total_q) float32). Differentiable w.r.t. q, k and v; works inside
     torch.compile. The cu_seqlens values are checked in one host synchronization per call (not
     during CUDA-graph capture, nor with CUTE_FLASH_VARLEN_VALUE_CHECKS=0).
     """
-    causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
-        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False)
+    dropout_p, causal, window, softcap, alibi_slopes, deterministic, return_attn_probs, _ = check_flash_attn_options(
+        dropout_p, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, False, varlen=True)
     out, lse = varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                                 causal, deterministic, window, softcap, alibi_slopes)
     return results(out, lse, return_attn_probs, False)

@@ -25,6 +25,7 @@ cute-flash warmup --jobs "$JOBS" --dtypes fp32 --head-dims 32,64,128,256 --gqa 2
 python3 -m tests.gpu.warm_sweep --jobs "$JOBS" 2>&1 | tail -1
 python3 -m tests.gpu.test_window_softcap_alibi --warm 2>&1 | tail -1
 python3 -m tests.gpu.test_varlen --warm 2>&1 | tail -1
+python3 -m tests.gpu.test_dropout --warm 2>&1 | tail -1
 echo "warmup: $(( $(date +%s) - start )) s"
 status=0
 if [ "$sanitize" = 1 ]; then

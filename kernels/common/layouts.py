@@ -14,6 +14,10 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
         ((2, 2, V), MMA_M, MMA_N) becomes ((2, MMA_M), (2, V, MMA_N)). Row r of the view is one
         row of the tile, shared with the 3 other threads of the quad.
 
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, tile)
+        The tile coordinates of this thread's and of thread 0's accumulator elements, as
+        reshape_acc_to_mn views them (masks, biases and dropout index elements with them).
+
     reshape_acc_to_frgA(acc) -> cute.Tensor
         View an sm80 accumulator fragment ((2, 2), MMA_M, MMA_N) as the A operand of a
         m16n8k16 mma: ((2, 2, 2), MMA_M, MMA_N / 2). Used to feed P = softmax(S) (converted to
@@ -120,6 +124,15 @@ def smem_layout_atom(dtype: type[cutlass.Numeric], k_dim: int) -> cute.ComposedL
         0,
         cute.make_layout((8, k_block), stride=(k_block, 1)),
     )
+
+
+def acc_coordinates(thr_mma, tile) -> tuple[cute.Tensor, cute.Tensor]:
+    """(tScS_mn, t0ScS_mn): the (row, col) tile coordinates of this thread's and of thread 0's
+    accumulator elements in (rows, cols) form. Thread 0's are compile-time values, and a thread's
+    are thread 0's plus its own offset (tScS_mn[0]), so per-element comparisons can be against
+    immediates."""
+    cS = cute.make_identity_tensor(tile)
+    return (reshape_acc_to_mn(thr_mma.partition_C(cS)), reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS)))
 
 
 def reshape_acc_to_mn(acc: cute.Tensor) -> cute.Tensor:

@@ -30,10 +30,11 @@ Call it only on boundary blocks (see blocks.py); interior blocks need no mask at
     softcap_grad(acc_S) -> fragment of 1 - t^2 for t = acc_S (the backward's dS factor).
 
     score_scale, mods = kernel_mod_args(window, softcap, alibi, softmax_scale, window_left, window_right,
-                                        softcap_value, mAlibiSlopes)
+                                        softcap_value, mAlibiSlopes, dropout, dropout_args)
         Host side: the scale the softmax applies (softcap with softcap, else softmax_scale) and the
         kernel's keyword arguments for the switches that are on (window_left / window_right,
-        softcap_pre, mAlibiSlopes with alibi_scale = -1 / score_scale).
+        softcap_pre, mAlibiSlopes with alibi_scale = -1 / score_scale; with dropout philox_seed,
+        philox_offset, dropout_threshold, dropout_scale from dropout_args, kernels/common/philox.py).
 
     apply_alibi(acc_S, thr_mma, tile_m, tile_n, m_block, n_block, seqlen_q, seqlen_k, slope)
         acc_S += slope * |i + seqlen_k - seqlen_q - j| (slope = -alibi_slope / the softmax's scale,
@@ -48,7 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .layouts import reshape_acc_to_mn
+from .layouts import acc_coordinates, reshape_acc_to_mn
 from .softmax import LOG2_E
 
 
@@ -70,9 +71,7 @@ def apply_mask(
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
     tile = (tile_m, tile_n) if cutlass.const_expr(not transposed) else (tile_n, tile_m)
-    cS = cute.make_identity_tensor(tile)
-    tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cS))
-    t0ScS_mn = reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS))
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, tile)
     Q = 0 if cutlass.const_expr(not transposed) else 1  # coordinate holding the query index
     K = 1 - Q
     num_rows = cute.size(tScS_mn, mode=[0])
@@ -142,7 +141,7 @@ def _mask_one(acc_S_mn: cute.Tensor, r: int, c: int, hidden, branchless: cutlass
 
 
 def kernel_mod_args(window: bool, softcap: bool, alibi: bool, softmax_scale, window_left, window_right,
-                    softcap_value, mAlibiSlopes):
+                    softcap_value, mAlibiSlopes, dropout: bool = False, dropout_args=(None,) * 4):
     score_scale = softcap_value if softcap else softmax_scale
     mods = {}
     if window:
@@ -151,6 +150,8 @@ def kernel_mod_args(window: bool, softcap: bool, alibi: bool, softmax_scale, win
         mods.update(softcap_pre=softmax_scale / softcap_value)
     if alibi:
         mods.update(mAlibiSlopes=mAlibiSlopes, alibi_scale=-1.0 / score_scale)
+    if dropout:
+        mods.update(zip(("philox_seed", "philox_offset", "dropout_threshold", "dropout_scale"), dropout_args))
     return score_scale, mods
 
 
@@ -186,9 +187,7 @@ def apply_alibi(
     slope: Float32,
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
-    cS = cute.make_identity_tensor((tile_m, tile_n))
-    tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cS))
-    t0ScS_mn = reshape_acc_to_mn(thr_mma.get_slice(0).partition_C(cS))
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, (tile_m, tile_n))
     # i + seqlen_k - seqlen_q - j = shift + (compile-time row - column of thread 0's element)
     # (exact in float32 below 2^24)
     shift = Float32((tScS_mn[0][0] + m_block * tile_m + seqlen_k - seqlen_q) - (tScS_mn[0][1] + n_block * tile_n))

@@ -24,7 +24,7 @@ softmax_scale because dS is the gradient w.r.t. the scaled scores). With grouped
 the host passes fp32 per-query-head dK/dV workspaces and sums the groups itself.
 
 fp32 inputs run every GEMM as split TF32 (kernels/common/tf32.py) with P and dS in fp32 in smem,
-on their own tiles (`_fp32_tiles`).
+on their own tiles (config.py: `_bwd_fp32_tiles`).
 
 Deterministic mode orders the dQ accumulation: the CTAs touching one query block add their dQ
 tile in increasing n_block order, gated by a per-(batch, head, m_block) counter.
@@ -44,7 +44,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_flash.kernels.common.blocks import BlockRanges, kv_head
@@ -59,25 +59,13 @@ from cute_flash.kernels.common.layouts import (
     smem_layout_atom,
     transpose_view,
 )
+from cute_flash.kernels.common.philox import DropoutRng, apply_dropout, dropout_dS
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.stores import store_acc, store_acc_via_smem
 from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
 from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32
-from cute_flash.kernels.sm80.config import Sm80BwdConfig
+from cute_flash.kernels.sm80.config import BWD_NUM_THREADS, Sm80BwdConfig, bwd_smem_bytes
 from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
-
-SMEM_CAPACITY_SM80 = 163 * 1024
-SMEM_CAPACITY_SM90 = 227 * 1024  # the H100 runs this kernel too, with its larger opt-in smem
-
-
-def targets_sm90(arch: str) -> bool:
-    """Whether a compile target is the H100's (sm_90 / sm_90a), which runs this kernel too."""
-    return arch.startswith("sm_90")
-
-
-def smem_capacity(arch: str) -> int:
-    """Opt-in shared memory per CTA on a compile target."""
-    return SMEM_CAPACITY_SM90 if targets_sm90(arch) else SMEM_CAPACITY_SM80
 
 
 @cute.jit
@@ -100,7 +88,8 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
 
 
 class FlashAttnBwdSm80:
-    num_threads = 256
+    num_threads = BWD_NUM_THREADS
+    smem_bytes = staticmethod(bwd_smem_bytes)  # asked by `cute-flash check` and the layout explorer
 
     def __init__(self, config: Sm80BwdConfig):
         self.cfg = config
@@ -126,107 +115,8 @@ class FlashAttnBwdSm80:
         # factor, which at d = 256 leaves room for a second Q buffer without spills.
         self.dq_chunks = dq_chunks
         self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
+        self.dropout = config.dropout
         self.varlen = config.varlen
-
-    @staticmethod
-    def default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False) -> dict:
-        """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
-        (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
-        dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
-        `arch` is the compile target: ptxas allocates registers differently for sm_90a (the H100
-        runs this kernel too), which lets d = 128 and 256 keep the fp32 P."""
-        if dtype is cutlass.Float32:
-            return FlashAttnBwdSm80._fp32_tiles(head_dim, arch)
-        d = round_up(head_dim, 32)
-        if d <= 64:
-            tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
-        elif d <= 128:
-            tiles = dict(m_block_size=64, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4,
-                         atom_m_dq=2 if d % 64 == 0 else 4)
-        else:
-            wide = d % 64 == 0
-            tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
-                         atom_m_dq=2 if wide else 4)
-        # The fp32 P kept across the dP GEMM fits the registers except, compiled for sm_80, at
-        # d = 128 and 256, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
-        # dtype).
-        # Measured on the H100 against P read back from smem (2026-11-24, interleaved): d32
-        # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
-        # For sm_90a, d = 128 and 256 keep the fp32 P without spills too: fp16 as they are, bf16
-        # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on the
-        # H100 against the read-back (2026-11-24, interleaved, through autograd, 1k-16k): d128
-        # bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose 1.3-2.5%),
-        # fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to +1.1%, fp16 +0.1
-        # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
-        h100 = targets_sm90(arch)
-        tiles["p_in_registers"] = h100 or d not in (128, 256)
-        tiles["dq_chunks"] = 1
-        if h100 and d == 128 and dtype is cutlass.BFloat16:
-            tiles["atom_m_dq"] = 4
-        if h100 and d == 256:
-            # The H100's 227 KB hold a second Q buffer (FA2's choice there), which the registers
-            # allow once dQ is computed 64 columns at a time over four warps' rows; grouped-query
-            # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured against one
-            # Q buffer (2026-11-24, interleaved, through autograd): non-causal bf16 +7.6 to +8.9%,
-            # fp16 +8.6 to +9.2%, causal +1.2 to +5.4%; 2-3% more than two Q buffers with spills.
-            tiles.update(dq_chunks=4, atom_m_dq=4, p_in_registers=not gqa)
-        # At (64, 128), and at d = 256 on the H100, a second dO buffer costs the registers that
-        # keep the kernel free of spills; at d <= 64 without causal masking one dO buffer measured
-        # 1-2% faster on the H100.
-        if 64 < d <= 128 or (d <= 64 and not causal) or (h100 and d == 256):
-            stage_options = ((2, 1), (1, 1))
-        else:
-            stage_options = ((2, 2), (2, 1), (1, 1))
-        for stages_Q, stages_dO in stage_options:
-            tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-            if FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
-                break
-        return tiles
-
-    @staticmethod
-    def _fp32_tiles(head_dim: int, arch: str) -> dict:
-        """fp32 operands take twice the smem of 16-bit ones: 64 x 64 blocks up to d = 128 (160 KB
-        with one Q and one dO buffer there), 32 x 32 above (64 x 32 on the H100's 227 KB); warp
-        layouts whose sub-tiles are whole m16 x n8 TF32 atoms."""
-        d = round_up(head_dim, 32)
-        if d <= 128:
-            tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
-        elif targets_sm90(arch):
-            tiles = dict(m_block_size=64, n_block_size=32, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4)
-        else:
-            tiles = dict(m_block_size=32, n_block_size=32, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
-        tiles.update(p_in_registers=True, dq_chunks=1)
-        for stages_Q, stages_dO in ((2, 2), (2, 1), (1, 1)):
-            tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-            if FlashAttnBwdSm80.smem_bytes(cutlass.Float32, head_dim, **tiles) <= smem_capacity(arch):
-                break
-        return tiles
-
-    @staticmethod
-    def smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
-        d = round_up(head_dim, 32)
-        elems = (m_block_size * d * (num_stages_Q + num_stages_dO) + 2 * n_block_size * d
-                 + 2 * m_block_size * n_block_size)
-        return elems * dtype.width // 8 + 4 * 128 * (num_stages_Q + num_stages_dO)
-
-    @staticmethod
-    def can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", **tiles) -> bool:
-        if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32) or head_dim % 8 != 0 or head_dim > 256:
-            return False
-        t = tiles or FlashAttnBwdSm80.default_tiles(dtype, head_dim, causal, arch)
-        d = round_up(head_dim, 32)
-        warps = FlashAttnBwdSm80.num_threads // 32
-        n_unit = 8 if dtype is cutlass.Float32 else 16  # N extent of one warp's atom (tiled_mma_sm80)
-        ok_tiles = (
-            t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
-            and t["n_block_size"] % (n_unit * warps // t["atom_m_sdp"]) == 0
-            and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
-            and d % (n_unit * warps // t["atom_n_dkv"]) == 0
-            and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
-            and d % t.get("dq_chunks", 1) == 0
-            and d // t.get("dq_chunks", 1) % (n_unit * warps // t["atom_m_dq"]) == 0
-        )
-        return ok_tiles and FlashAttnBwdSm80.smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -266,11 +156,17 @@ class FlashAttnBwdSm80:
         window_right: Int32 | None,
         softcap: Float32 | None,
         mAlibiSlopes: cute.Tensor | None,
+        philox_seed: Int64 | None,
+        philox_offset: Int64 | None,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
         stream: cuda.CUstream,
     ):
-        """The entry point of a kernel with score modifications, arguments as the forward's."""
+        """The entry point of a kernel with score modifications, arguments as the forward's (dropout:
+        the forward's seed, offset and threshold, which regenerate its mask)."""
         self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
-                    window_left, window_right, softcap, mAlibiSlopes, stream)
+                    window_left, window_right, softcap, mAlibiSlopes, stream,
+                    dropout_args=(philox_seed, philox_offset, dropout_threshold, dropout_scale))
 
     @cute.jit
     def call_varlen(
@@ -305,7 +201,7 @@ class FlashAttnBwdSm80:
     @cute.jit
     def launch(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale: Float32,
                window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream, mCuSeqlensQ=None,
-               mCuSeqlensK=None, max_seqlen_k=None):
+               mCuSeqlensK=None, max_seqlen_k=None, dropout_args=(None,) * 4):
         m, n, d = self.m_block_size, self.n_block_size, self.head_dim_padded
         atom_qk = smem_layout_atom(self.dtype, d)
         sQ_layout = cute.tile_to_shape(atom_qk, (m, d, self.num_stages_Q), (0, 1, 2))
@@ -340,7 +236,7 @@ class FlashAttnBwdSm80:
             grid = (cute.ceil_div(mK.shape[1], n), mQ.shape[2], mQ.shape[0])
         # P's exponent: at scale softcap with softcap (the forward's parametrization)
         score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
-                                            window_right, softcap, mAlibiSlopes)
+                                            window_right, softcap, mAlibiSlopes, self.dropout, dropout_args)
         self.kernel(
             mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore,
             softmax_scale, score_scale * LOG2_E,
@@ -383,6 +279,10 @@ class FlashAttnBwdSm80:
         softcap_pre: Float32 | None = None,
         mAlibiSlopes: cute.Tensor | None = None,
         alibi_scale: Float32 | None = None,
+        philox_seed: Int64 | None = None,
+        philox_offset: Int64 | None = None,
+        dropout_threshold: Int32 | None = None,
+        dropout_scale: Float32 | None = None,
     ):
         """Algorithm 2 for one key block j of one (batch, query head): K_j and V_j into smem, then
         for every query block i that sees them P_ij is recomputed, dV_j and dK_j accumulate in
@@ -393,7 +293,7 @@ class FlashAttnBwdSm80:
             self._key_block, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
             scale_log2, sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy, gmem_store, tiled_mma_sdp,
             tiled_mma_dkv, tiled_mma_dq, SharedStorage, window_left, window_right, softcap_pre, mAlibiSlopes,
-            alibi_scale, tidx, n_block, head, batch,
+            alibi_scale, (philox_seed, philox_offset, dropout_threshold, dropout_scale), tidx, n_block, head, batch,
         )
         if cutlass.const_expr(self.varlen):
             offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
@@ -409,7 +309,7 @@ class FlashAttnBwdSm80:
         self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale, scale_log2,
         sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy, gmem_store, tiled_mma_sdp, tiled_mma_dkv,
         tiled_mma_dq, SharedStorage: cutlass.Constexpr, window_left, window_right, softcap_pre, mAlibiSlopes,
-        alibi_scale, tidx, n_block, head, batch, seqlen_q, seqlen_k, offsets,
+        alibi_scale, dropout_args, tidx, n_block, head, batch, seqlen_q, seqlen_k, offsets,
     ):
         """The kernel's work for one key block of a sequence of seqlen_q queries and seqlen_k keys.
         offsets: None for a dense batch, else the sequence's first query row, first key row and
@@ -434,12 +334,16 @@ class FlashAttnBwdSm80:
         alibi_slope = None
         if cutlass.const_expr(self.alibi):
             alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
+        rng = None
+        if cutlass.const_expr(self.dropout):
+            rng = DropoutRng.create(*dropout_args[:3], batch * mQ.shape[2] + head)
         # Where this CTA sits and how far its blocks reach, for the per-block steps and the epilogue.
         cta = SimpleNamespace(
             batch=batch, head=head, n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, tidx=tidx,
             m_block_max=m_block_max, m_block_max_mask=m_block_max_mask, m_block_left_mask=m_block_left_mask,
             last_n_block_partial=(n_block + 1) * n > seqlen_k,
-            ranges=ranges, window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
+            ranges=ranges, window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope, rng=rng,
+            dropout_scale=dropout_args[3],
             offsets=offsets if cutlass.const_expr(offsets is not None) else (None, None, None),
         )
 
@@ -626,7 +530,7 @@ class FlashAttnBwdSm80:
         cute.arch.cp_async_commit_group()
 
         acc_S, rP = self.compute_P(mma, cta, m_block, stage_q, scale_log2)
-        self.compute_dS(mma, acc_S, rP, stage_do)
+        self.compute_dS(mma, acc_S, rP, stage_do, cta.dropout_scale)
 
         # dV_j += P^T dO_i
         gemm_smem(mma.tiled_mma_dkv, acc_dV, mma.tdVrPt, mma.tdVrdOt, mma.tdVsPt,
@@ -700,15 +604,29 @@ class FlashAttnBwdSm80:
         for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
             lse_log2 = mma.sLSE[mma.tScS_mn[r, 0][0], stage_q]
             acc_S_mn[r, None].store(cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - lse_log2, fastmath=True))
+        if cutlass.const_expr(self.dropout):
+            # dropped entries as -P: dV's P is max(P, 0), dS needs P of both kinds (philox.dropout_dS)
+            apply_dropout(acc_S, mma.thr_mma_sdp, m, n, m_block, cta.n_block, cta.rng, encode_in_sign=True)
         # P goes to smem before the dP GEMM. dS = P * (dP - D) is computed in fp32 and
         # rounded once: from the fp32 P kept in registers across the dP GEMM where they
         # fit (p_in_registers), else from the 16-bit P read back (fp32 P there made d128
         # spill at 255 registers). (Rounding dP - D to 16 bits first and multiplying in
         # packed 16-bit pairs put dq past twice torch's error on some bf16 d256 inputs.)
         rP = cute.make_fragment_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(self.dropout):
+            rP.store(cute.where(acc_S.load() > 0.0, acc_S.load(), 0.0).to(self.dtype))
+        else:
+            rP.store(acc_S.load().to(self.dtype))
         cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(rP), mma.tPsP)
-        if cutlass.const_expr(self.softcap):
+        if cutlass.const_expr(self.dropout and not self.p_in_registers):
+            # dS's signed P (times softcap's factor) waits in dS's smem tile; the previous block's dS
+            # has been read: every warp passed the barrier of m_block_step
+            if cutlass.const_expr(self.softcap):
+                acc_S.store(acc_S.load() * dtanh.load())
+            signed = cute.make_fragment_like(acc_S, self.dtype)
+            signed.store(acc_S.load().to(self.dtype))
+            cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(signed), mma.tdSsdS)
+        elif cutlass.const_expr(self.softcap):
             if cutlass.const_expr(self.p_in_registers):
                 acc_S.store(acc_S.load() * dtanh.load())
             else:
@@ -719,29 +637,49 @@ class FlashAttnBwdSm80:
         return acc_S, rP
 
     @cute.jit
-    def compute_dS(self, mma, acc_S: cute.Tensor, rP: cute.Tensor, stage_do: Int32):
+    def compute_dS(self, mma, acc_S: cute.Tensor, rP: cute.Tensor, stage_do: Int32, dropout_scale: Float32 | None):
         """dP = dO_i V_j^T, then dS = P * (dP - D_i) into smem (16-bit) for the dK and dQ GEMMs,
         which may read it once this returns."""
         acc_dP = cute.make_rmem_tensor(mma.acc_shape_SdP, Float32)
         acc_dP.fill(0.0)
         gemm_smem(mma.tiled_mma_sdp, acc_dP, mma.tdPrdO, mma.tdPrV, mma.tdPsdO[None, None, None, stage_do], mma.tdPsV,
                   mma.s2r_sdp_A, mma.s2r_sdp_B)
-        acc_dP_mn = reshape_acc_to_mn(acc_dP)
-        for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-            acc_dP_mn[r, None].store(acc_dP_mn[r, None].load() - mma.sdPsum[mma.tScS_mn[r, 0][0], stage_do])
-        if cutlass.const_expr(self.p_in_registers):
-            acc_dP.store(acc_dP.load() * acc_S.load())
+        if cutlass.const_expr(self.dropout):
+            self.dropout_dS(mma, acc_dP, acc_S, stage_do, dropout_scale)
         else:
-            cute.copy(mma.r2s_PdS, mma.tPsP, mma.r2s_PdS.retile(rP))  # this thread's own stores: no barrier
-            acc_dP.store(acc_dP.load() * rP.load().to(Float32))
-            if cutlass.const_expr(self.softcap):
-                stash = cute.make_fragment_like(acc_dP, self.dtype)
-                cute.copy(mma.r2s_PdS, mma.tdSsdS, mma.r2s_PdS.retile(stash))  # this thread's own stores
-                acc_dP.store(acc_dP.load() * cute.recast_tensor(stash, cutlass.Float16).load().to(Float32))
+            acc_dP_mn = reshape_acc_to_mn(acc_dP)
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                acc_dP_mn[r, None].store(acc_dP_mn[r, None].load() - mma.sdPsum[mma.tScS_mn[r, 0][0], stage_do])
+            if cutlass.const_expr(self.p_in_registers):
+                acc_dP.store(acc_dP.load() * acc_S.load())
+            else:
+                cute.copy(mma.r2s_PdS, mma.tPsP, mma.r2s_PdS.retile(rP))  # this thread's own stores: no barrier
+                acc_dP.store(acc_dP.load() * rP.load().to(Float32))
+                if cutlass.const_expr(self.softcap):
+                    stash = cute.make_fragment_like(acc_dP, self.dtype)
+                    cute.copy(mma.r2s_PdS, mma.tdSsdS, mma.r2s_PdS.retile(stash))  # this thread's own stores
+                    acc_dP.store(acc_dP.load() * cute.recast_tensor(stash, cutlass.Float16).load().to(Float32))
         rdS = cute.make_fragment_like(acc_dP, self.dtype)
         rdS.store(acc_dP.load().to(self.dtype))
         cute.copy(mma.r2s_PdS, mma.r2s_PdS.retile(rdS), mma.tdSsdS)
         cute.arch.barrier()
+
+    @cute.jit
+    def dropout_dS(self, mma, acc_dP: cute.Tensor, acc_S: cute.Tensor, stage_do: Int32, dropout_scale: Float32):
+        """dS of the dropped P (philox.dropout_dS) into acc_dP, from the signed P in registers or,
+        without p_in_registers, the one compute_P left in dS's smem tile."""
+        if cutlass.const_expr(self.p_in_registers):
+            p_signed = acc_S
+        else:
+            stash = cute.make_fragment_like(acc_dP, self.dtype)
+            cute.copy(mma.r2s_PdS, mma.tdSsdS, mma.r2s_PdS.retile(stash))  # this thread's own stores
+            p_signed = cute.make_rmem_tensor_like(acc_dP, Float32)
+            p_signed.store(stash.load().to(Float32))
+        acc_dP_mn, p_mn = reshape_acc_to_mn(acc_dP), reshape_acc_to_mn(p_signed)
+        for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+            dpsum = mma.sdPsum[mma.tScS_mn[r, 0][0], stage_do]
+            for c in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                acc_dP_mn[r, c] = dropout_dS(p_mn[r, c], acc_dP_mn[r, c], dpsum, dropout_scale)
 
     @cute.jit
     def store_dK_dV(self, acc_dK: cute.Tensor, acc_dV: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
@@ -752,6 +690,8 @@ class FlashAttnBwdSm80:
         n, d = self.n_block_size, self.head_dim_padded
         batch, head, n_block, seqlen_k, tidx = cta.batch, cta.head, cta.n_block, cta.seqlen_k, cta.tidx
         acc_dK.store(acc_dK.load() * softmax_scale)
+        if cutlass.const_expr(self.dropout):
+            acc_dV.store(acc_dV.load() * cta.dropout_scale)  # dV's P is the kept P, not yet rescaled
         if cutlass.const_expr(mdK.element_type == self.dtype):
             # K and V are no longer read: their smem stages dK and dV for 16-byte stores.
             cute.arch.barrier()
@@ -821,8 +761,6 @@ class FlashAttnBwdSm80:
             cute.arch.barrier()
             if tidx == 0:
                 cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
-
-
 
 
 def dq_accum_offset(chunk: int, chunk_elems: int, tidx: Int32) -> Int32:

@@ -1,7 +1,8 @@
 """The sm80 kernels' compile-time configurations: one frozen object per compiled kernel.
 
 Dispatch (cute_flash/dispatch.py) builds them from the kernels' pure tile rules
-(`FlashAttnFwdSm80.default_tiles`, `FlashAttnBwdSm80.default_tiles`), and a configuration is its
+(`FlashAttnFwdSm80.default_tiles`, and `bwd_default_tiles` below for the backward's main kernel,
+with the shared-memory budget of each compile target), and a configuration is its
 plan's compile-cache key. The backward's preprocess and postprocess kernels take only what
 changes their code, so one of them serves every causal and deterministic variant.
 """
@@ -11,6 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import cutlass
+
+from cute_flash.kernels.common.layouts import round_up
+
+# Opt-in shared memory per CTA: the sm80 kernels' budget, and the H100's for the sm80 backward,
+# which it runs compiled for sm_90a.
+SMEM_CAPACITY_SM80 = 163 * 1024
+SMEM_CAPACITY_SM90 = 227 * 1024  # the H100's larger opt-in smem
 
 
 @dataclass(frozen=True)
@@ -27,13 +35,16 @@ class Sm80FwdConfig:
     window: bool = False  # sliding window; causal is False then (a causal window has right = 0)
     softcap: bool = False
     alibi: bool = False
+    # Dropout of the probabilities (kernels/common/philox.py); its Philox seed and offset, keep
+    # threshold and 1 / (1 - p) are runtime arguments of `call_with_mods` too.
+    dropout: bool = False
     # Packed variable-length batches: q, k, v (1, total tokens, heads, head_dim), sequences at the
     # offsets of cu_seqlens (int32, read on the device); the kernel's `call_varlen` entry point.
     varlen: bool = False
 
     @property
     def has_mods(self) -> bool:
-        return self.window or self.softcap or self.alibi
+        return self.window or self.softcap or self.alibi or self.dropout
 
 
 @dataclass(frozen=True)
@@ -54,11 +65,143 @@ class Sm80BwdConfig:
     window: bool = False  # as Sm80FwdConfig
     softcap: bool = False
     alibi: bool = False
+    dropout: bool = False  # the same mask as the forward's, regenerated
     varlen: bool = False  # as Sm80FwdConfig; the workspaces are packed (layouts.packed_stat_offset)
 
     @property
     def has_mods(self) -> bool:
-        return self.window or self.softcap or self.alibi
+        return self.window or self.softcap or self.alibi or self.dropout
+
+
+# The backward main kernel's tile rules (kernels/sm80/bwd.py: FlashAttnBwdSm80), pure host code
+# that dispatch turns into an Sm80BwdConfig. The H100 runs that kernel too, compiled for sm_90a.
+
+# Threads of the main kernel's CTA, and of the postprocess's: the dQ workspace's order depends on it
+# (kernels/sm80/bwd.py: dq_accum_offset).
+BWD_NUM_THREADS = 256
+
+
+def targets_sm90(arch: str) -> bool:
+    """Whether a compile target is the H100's (sm_90 / sm_90a), which runs the sm80 backward too."""
+    return arch.startswith("sm_90")
+
+
+def smem_capacity(arch: str) -> int:
+    """Opt-in shared memory per CTA on a compile target."""
+    return SMEM_CAPACITY_SM90 if targets_sm90(arch) else SMEM_CAPACITY_SM80
+
+
+def bwd_default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False,
+                      dropout: bool = False) -> dict:
+    """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
+    (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
+    dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
+    `arch` is the compile target: ptxas allocates registers differently for sm_90a (the H100
+    runs the kernel too), which lets d = 128 and 256 keep the fp32 P."""
+    if dtype is cutlass.Float32:
+        return _bwd_fp32_tiles(head_dim, arch)
+    d = round_up(head_dim, 32)
+    if d <= 64:
+        tiles = dict(m_block_size=128, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
+    elif d <= 128:
+        tiles = dict(m_block_size=64, n_block_size=128, atom_m_sdp=2, atom_n_dkv=4,
+                     atom_m_dq=2 if d % 64 == 0 else 4)
+    else:
+        wide = d % 64 == 0
+        tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=4, atom_n_dkv=2 if wide else 4,
+                     atom_m_dq=2 if wide else 4)
+    # The fp32 P kept across the dP GEMM fits the registers except, compiled for sm_80, at
+    # d = 128 and 256, whose tiles already sit at 255 registers (8-84 bytes of spill there, by
+    # dtype).
+    # Measured on the H100 against P read back from smem (2026-11-24, interleaved): d32
+    # +4-10%, d64 +4-11%, d96 +1-5%, d192 +1-2%; dS is also more precise (fp32 P).
+    # For sm_90a, d = 128 and 256 keep the fp32 P without spills too: fp16 as they are, bf16
+    # d = 128 once dQ's GEMM splits rows over four warps (two spill 8 bytes). Measured on the
+    # H100 against the read-back (2026-11-24, interleaved, through autograd, 1k-16k): d128
+    # bf16 non-causal +3.0 to +3.8%, causal +1.1 to +1.8% (four warps alone lose 1.3-2.5%),
+    # fp16 +1.2 to +2.0% (with four warps: -0.3 to -2.1%); d256 bf16 +0.8 to +1.1%, fp16 +0.1
+    # to +1.5%. sm_80 keeps the read-back there: unmeasured (no A100 at hand).
+    h100 = targets_sm90(arch)
+    tiles["p_in_registers"] = h100 or d not in (128, 256)
+    tiles["dq_chunks"] = 1
+    if h100 and d == 128 and dtype is cutlass.BFloat16:
+        tiles["atom_m_dq"] = 4
+    if h100 and d == 256:
+        # The H100's 227 KB hold a second Q buffer (FA2's choice there), which the registers
+        # allow once dQ is computed 64 columns at a time over four warps' rows; grouped-query
+        # attention's fp32 dK/dV stores then leave no room for the fp32 P. Measured against one
+        # Q buffer (2026-11-24, interleaved, through autograd): non-causal bf16 +7.6 to +8.9%,
+        # fp16 +8.6 to +9.2%, causal +1.2 to +5.4%; 2-3% more than two Q buffers with spills.
+        tiles.update(dq_chunks=4, atom_m_dq=4, p_in_registers=not gqa)
+    # At (64, 128), and at d = 256 on the H100, a second dO buffer costs the registers that
+    # keep the kernel free of spills; at d <= 64 without causal masking one dO buffer measured
+    # 1-2% faster on the H100.
+    if 64 < d <= 128 or (d <= 64 and not causal) or (h100 and d == 256):
+        stage_options = ((2, 1), (1, 1))
+    else:
+        stage_options = ((2, 2), (2, 1), (1, 1))
+    if dropout:
+        # The Philox rounds need registers the plain tiles use up: at most 64 query rows; at
+        # d = 128 and 256 dS's P comes back from smem on sm_90a too (the fp32 P spilled 24
+        # bytes there), with 64 keys (d = 128 on sm_80: 32 bytes of spill with softcap at 128).
+        tiles["m_block_size"] = min(tiles["m_block_size"], 64)
+        if d in (128, 256):
+            tiles.update(p_in_registers=False, n_block_size=64)
+    for stages_Q, stages_dO in stage_options:
+        tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
+        if bwd_smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
+            break
+    return tiles
+
+
+def _bwd_fp32_tiles(head_dim: int, arch: str) -> dict:
+    """fp32 operands take twice the smem of 16-bit ones: 64 x 64 blocks up to d = 128 (160 KB
+    with one Q and one dO buffer there), 32 x 32 above (64 x 32 on the H100's 227 KB); warp
+    layouts whose sub-tiles are whole m16 x n8 TF32 atoms."""
+    d = round_up(head_dim, 32)
+    if d <= 128:
+        tiles = dict(m_block_size=64, n_block_size=64, atom_m_sdp=2, atom_n_dkv=4, atom_m_dq=4)
+    elif targets_sm90(arch):
+        tiles = dict(m_block_size=64, n_block_size=32, atom_m_sdp=4, atom_n_dkv=2, atom_m_dq=4)
+    else:
+        tiles = dict(m_block_size=32, n_block_size=32, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
+    tiles.update(p_in_registers=True, dq_chunks=1)
+    for stages_Q, stages_dO in ((2, 2), (2, 1), (1, 1)):
+        tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
+        if bwd_smem_bytes(cutlass.Float32, head_dim, **tiles) <= smem_capacity(arch):
+            break
+    return tiles
+
+
+def bwd_smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
+    """The main kernel's shared storage: Q and dO in their buffers, K and V, P and dS, and each
+    buffer's row statistics (LSE or D, 128 fp32 slots); the launch adds up to 1023 bytes of
+    alignment."""
+    d = round_up(head_dim, 32)
+    elems = (m_block_size * d * (num_stages_Q + num_stages_dO) + 2 * n_block_size * d
+             + 2 * m_block_size * n_block_size)
+    return elems * dtype.width // 8 + 4 * 128 * (num_stages_Q + num_stages_dO)
+
+
+def bwd_can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", **tiles) -> bool:
+    """Whether the tiles (by default the target's) suit the main kernel's warp layouts and fit
+    the target's shared memory."""
+    if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32) or head_dim % 8 != 0 or head_dim > 256:
+        return False
+    t = tiles or bwd_default_tiles(dtype, head_dim, causal, arch)
+    d = round_up(head_dim, 32)
+    warps = BWD_NUM_THREADS // 32
+    n_unit = 8 if dtype is cutlass.Float32 else 16  # N extent of one warp's atom (tiled_mma_sm80)
+    ok_tiles = (
+        t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
+        and t["n_block_size"] % (n_unit * warps // t["atom_m_sdp"]) == 0
+        and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
+        and d % (n_unit * warps // t["atom_n_dkv"]) == 0
+        and t["m_block_size"] % (16 * t["atom_m_dq"]) == 0
+        and d % t.get("dq_chunks", 1) == 0
+        and d // t.get("dq_chunks", 1) % (n_unit * warps // t["atom_m_dq"]) == 0
+    )
+    return ok_tiles and bwd_smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
 
 
 @dataclass(frozen=True)

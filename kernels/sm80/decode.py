@@ -38,8 +38,8 @@ from cutlass.cute.nvgpu import warp
 from ..common.blocks import split_block_range
 from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
 from ..common.softmax import LOG2_E, OnlineSoftmax
-from .config import Sm80DecodeConfig
-from .fwd import SMEM_CAPACITY, FlashAttnFwdSm80, gemm_sm80
+from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
+from .fwd import FlashAttnFwdSm80, gemm_sm80
 
 PAGE_MULTIPLE = 16
 """Supported page sizes are multiples of this (any multiple: rows are gathered one by one)."""
@@ -77,7 +77,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         if num_stages < 2:  # the loop issues V[n - 1] and K[n - 2] ahead
             return False
         return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, num_warps, num_stages) and (
-            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages) <= SMEM_CAPACITY)
+            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages) <= SMEM_CAPACITY_SM80)
 
     # ------------------------------------------------------------------------------------------
     # host side

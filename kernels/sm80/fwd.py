@@ -22,7 +22,9 @@ Score modifications (config.window / softcap / alibi, kernels/common/mask.py) ar
 where the configuration asks, and their values come at run time through `call_with_mods`
 (`__call__` is the plain kernel's entry). A sliding window loads only the key blocks some row of the
 query tile sees (blocks.py: n_block_min_max_window) and masks only the blocks crossing an edge of
-the window; softcap and ALiBi touch every score.
+the window; softcap and ALiBi touch every score. Dropout (config.dropout, kernels/common/philox.py)
+zeroes dropped probabilities after the online softmax has taken their row sums, so the LSE is that
+of the full softmax, and scales O by 1 / (1 - p) with the final 1 / row_sum.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ..common.blocks import BlockRanges, kv_head
@@ -49,11 +51,10 @@ from ..common.layouts import (
     transpose_view,
 )
 from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args
+from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
-from .config import Sm80FwdConfig
-
-SMEM_CAPACITY = 163 * 1024  # sm80 opt-in shared memory per CTA
+from .config import SMEM_CAPACITY_SM80, Sm80FwdConfig
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
@@ -133,6 +134,7 @@ class FlashAttnFwdSm80:
         self.num_threads = num_warps * 32
         self.num_stages = num_stages
         self.window, self.softcap, self.alibi = config.window, config.softcap, config.alibi
+        self.dropout = config.dropout
         self.varlen = config.varlen
 
     @staticmethod
@@ -153,10 +155,16 @@ class FlashAttnFwdSm80:
         if num_stages < 1 or tile_n % 16 != 0 or tile_m % (16 * num_warps) != 0:
             return False
         smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype)
-        return smem <= SMEM_CAPACITY
+        return smem <= SMEM_CAPACITY_SM80
 
     @staticmethod
-    def default_tiles(dtype, head_dim, causal) -> dict:
+    def default_tiles(dtype, head_dim, causal, dropout: bool = False) -> dict:
+        if dropout:
+            # The Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
+            # the key tile; a quarter at d <= 32, where ptxas aims at 168 registers (the causal
+            # kernel spilled 40 bytes with half).
+            tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
+            return dict(tiles, tile_n=tiles["tile_n"] // (4 if head_dim <= 32 else 2))
         if dtype is cutlass.Float32:
             return FlashAttnFwdSm80._fp32_tiles(head_dim)
         # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.
@@ -206,12 +214,19 @@ class FlashAttnFwdSm80:
         window_right: Int32 | None,
         softcap: Float32 | None,
         mAlibiSlopes: cute.Tensor | None,
+        philox_seed: Int64 | None,
+        philox_offset: Int64 | None,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
         stream: cuda.CUstream,
     ):
         """The entry point of a kernel with score modifications: None for each the configuration
         leaves out. window_left / window_right: the window's sides, an unbounded side given as a
-        bound no row reaches; softcap > 0; mAlibiSlopes: (1 or batch, nheads) float32."""
-        self.launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, softcap, mAlibiSlopes, stream)
+        bound no row reaches; softcap > 0; mAlibiSlopes: (1 or batch, nheads) float32; dropout:
+        the Philox seed and offset, the keep threshold (an unsigned word as int32) and
+        1 / (1 - dropout_p) (kernels/common/philox.py)."""
+        self.launch(mQ, mK, mV, mO, mLSE, softmax_scale, window_left, window_right, softcap, mAlibiSlopes, stream,
+                    dropout_args=(philox_seed, philox_offset, dropout_threshold, dropout_scale))
 
     @cute.jit
     def call_varlen(
@@ -241,7 +256,8 @@ class FlashAttnFwdSm80:
 
     @cute.jit
     def launch(self, mQ, mK, mV, mO, mLSE, softmax_scale: Float32, window_left, window_right, softcap,
-               mAlibiSlopes, stream: cuda.CUstream, mCuSeqlensQ=None, mCuSeqlensK=None, max_seqlen_q=None):
+               mAlibiSlopes, stream: cuda.CUstream, mCuSeqlensQ=None, mCuSeqlensK=None, max_seqlen_q=None,
+               dropout_args=(None,) * 4):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k, v, out must all have the kernel's dtype")
@@ -261,7 +277,7 @@ class FlashAttnFwdSm80:
             grid = (num_m_blocks, cute.size(mQ.shape[2]), cute.size(mQ.shape[0]))
         # with softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
         score_scale, mods = kernel_mod_args(self.window, self.softcap, self.alibi, softmax_scale, window_left,
-                                            window_right, softcap, mAlibiSlopes)
+                                            window_right, softcap, mAlibiSlopes, self.dropout, dropout_args)
         softmax_scale_log2 = score_scale * LOG2_E
         self.kernel(
             mQ, mK, mV, mO, mLSE, softmax_scale_log2,
@@ -320,6 +336,10 @@ class FlashAttnFwdSm80:
         softcap_pre: Float32 | None = None,
         mAlibiSlopes: cute.Tensor | None = None,
         alibi_scale: Float32 | None = None,
+        philox_seed: Int64 | None = None,
+        philox_offset: Int64 | None = None,
+        dropout_threshold: Int32 | None = None,
+        dropout_scale: Float32 | None = None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -329,7 +349,7 @@ class FlashAttnFwdSm80:
         tile = partial(
             self._attend_tile, mQ, mK, mV, mO, mLSE, softmax_scale_log2, sQ_layout, sKV_layout, gmem_tiled_copy_QKV,
             gmem_tiled_copy_O, tiled_mma, SharedStorage, window_left, window_right, softcap_pre, mAlibiSlopes,
-            alibi_scale, tidx, m_block, head, batch,
+            alibi_scale, (philox_seed, philox_offset, dropout_threshold, dropout_scale), tidx, m_block, head, batch,
         )
         if cutlass.const_expr(self.varlen):
             offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
@@ -344,7 +364,7 @@ class FlashAttnFwdSm80:
     def _attend_tile(
         self, mQ, mK, mV, mO, mLSE, softmax_scale_log2, sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O,
         tiled_mma, SharedStorage: cutlass.Constexpr, window_left, window_right, softcap_pre, mAlibiSlopes, alibi_scale,
-        tidx, m_block, head, batch, seqlen_q, seqlen_k, offsets,
+        dropout_args, tidx, m_block, head, batch, seqlen_q, seqlen_k, offsets,
     ):
         """One (tile_m, head_dim) tile of O and its LSE for (m_block, head, batch) of a sequence of
         seqlen_q queries and seqlen_k keys. offsets: None for a dense batch (mQ[batch], ...), else
@@ -364,6 +384,10 @@ class FlashAttnFwdSm80:
         if cutlass.const_expr(self.alibi):
             # (nheads,) slopes arrive as one row shared by the batch
             alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
+        rng = None
+        if cutlass.const_expr(self.dropout):
+            philox_seed, philox_offset, dropout_threshold, _ = dropout_args
+            rng = DropoutRng.create(philox_seed, philox_offset, dropout_threshold, batch * mQ.shape[2] + head)
         # a block whose rows see no key still runs one (fully masked) iteration: out = 0, lse = -inf
         n_block_first = cutlass.max(n_block_max - 1, n_block_min)
 
@@ -469,7 +493,7 @@ class FlashAttnFwdSm80:
             smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K,
             smem_thr_copy_V=smem_thr_copy_V,
             load_kv=load_kv, tKgK=tKgK, tKsK=tKsK, tVgV=tVgV, tVsV=tVsV,
-            window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
+            window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope, rng=rng,
         )
 
         smem_read = Int32(0)
@@ -509,6 +533,9 @@ class FlashAttnFwdSm80:
 
         # ---- epilogue ----
         row_scale = softmax.finalize()
+        if cutlass.const_expr(self.dropout):
+            # kept probabilities count 1 / (1 - p) times; the LSE keeps every probability
+            row_scale.store(row_scale.load() * dropout_args[3])
         softmax.rescale_O(acc_O, row_scale)
         self._store_O_LSE(acc_O, softmax.row_sum, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma,
                           thr_mma, tidx, m_block, head, batch, seqlen_q, offset_q)
@@ -521,7 +548,7 @@ class FlashAttnFwdSm80:
         n_block_min, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, softmax, acc_O,
         tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt,
         smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V,
-        load_kv, tKgK, tKsK, tVgV, tVsV, window, softcap_pre, alibi_slope,
+        load_kv, tKgK, tKsK, tVgV, tVsV, window, softcap_pre, alibi_slope, rng,
     ):
         stages = self.num_stages
 
@@ -580,6 +607,11 @@ class FlashAttnFwdSm80:
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
             rP.store(acc_S.load().to(self.dtype))
             tOrP = reshape_acc_to_frgA(rP)
+        if cutlass.const_expr(self.dropout):
+            # After the row sums took P: dropped probabilities leave P V only. On the 16-bit P (half
+            # the registers of the fp32 one) while the Philox rounds run.
+            apply_dropout(acc_S if cutlass.const_expr(self.fp32) else rP, thr_mma, self.tile_m, self.tile_n, m_block,
+                          n_block, rng, encode_in_sign=False)
 
         if cutlass.const_expr(stages > 1):
             wait_and_sync()  # V[n_block] ready, every warp done with K[smem_read]

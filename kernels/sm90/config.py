@@ -62,6 +62,13 @@ class Sm90FwdConfig:
     spin_waits: bool = True
     # L2 eviction priorities on the TMA copies: Q and O evict-first, K and V evict-last.
     cache_hints: bool = False
+    # Score modifications (kernels/common/mask.py), their values given at run time through
+    # `call_with_mods`: a sliding window (only the key blocks some row of a tile sees are loaded,
+    # only those crossing its edges masked; a causal window comes as right = 0 with causal off),
+    # softcap, ALiBi. Off, the kernel is the plain one instruction for instruction.
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
 
     @staticmethod
     def create(dtype, head_dim: int, causal: bool, *, num_sms: int = 0, dynamic_schedule: bool = False,
@@ -113,8 +120,9 @@ class Sm90FwdConfig:
     @property
     def splits_tail(self) -> bool:
         """Persistent non-causal kernels split their last round (causal tiles run longest first,
-        so their last round is short anyway)."""
-        return self.num_sms > 0 and not self.causal
+        so their last round is short anyway). Not with a window: the tail plan cuts every tile's
+        keys from block 0 to the last, where a window's tiles span runs of their own."""
+        return self.num_sms > 0 and not self.causal and not self.window
 
     @property
     def separate_o(self) -> bool:
@@ -156,6 +164,8 @@ def can_implement(config: Sm90FwdConfig) -> bool:
         return False
     if config.num_stages < 1 or config.q_stages < 1:
         return False
+    if config.window and config.causal:  # a causal window is a window with right = 0
+        return False
     if config.wg_epilogue and not wg_epilogue_fits(config.head_dim):
         return False
     # Accumulator registers per consumer thread: S (tile_n/2) + P (tile_n/4) + O (head_dim/2).
@@ -168,14 +178,15 @@ def can_implement(config: Sm90FwdConfig) -> bool:
     return smem <= SMEM_BYTES
 
 
-def forward_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int) -> Sm90FwdConfig | None:
+def forward_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int, **mods) -> Sm90FwdConfig | None:
     """The kernel for a problem class (cute_flash/dispatch.py: length_class), None where this
     family has none (the sm80 kernels serve it). docs/kernels/sm90-forward.md gives each rule's
-    measurements."""
+    measurements. `mods`: window / softcap / alibi switches, on the class's own settings (a
+    window is non-causal, so its tiles walk in launch order and no tail is split)."""
     if head_dim not in HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
     settings = _tiles(head_dim, causal) | _length_settings(dtype, head_dim, causal, length, num_sms)
-    return Sm90FwdConfig.create(dtype, head_dim, causal, **settings)
+    return Sm90FwdConfig.create(dtype, head_dim, causal, **settings, **mods)
 
 
 def _tiles(head_dim: int, causal: bool) -> dict:

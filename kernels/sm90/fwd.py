@@ -26,7 +26,10 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
   in a global workspace and the last piece of a tile to finish merges them (`merge_pieces`).
 
 K/V blocks are visited from the last one down, so the blocks that need masking (the
-seqlen_k tail, the causal diagonal) come first and the rest run mask-free.
+seqlen_k tail, the causal diagonal, a sliding window's right edge) come first and the rest run
+mask-free (but for those crossing a window's left edge, last). Score modifications
+(config.window / softcap / alibi) are compiled in only where the configuration asks; their values
+come through `call_with_mods`.
 
 Where things are: the configuration (tiles, schedule, softmax form, epilogue) in config.py, the
 tile walk in tile_scheduler.py, O's and LSE's way out in epilogue.py, the warp roles and the main
@@ -50,7 +53,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges, kv_head
 from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn
-from ..common.mask import apply_mask
+from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90FwdConfig, smem_bytes
@@ -99,6 +102,40 @@ class FlashAttnFwdSm90:
         when it splits none). mPieceCount, int32, holds the counters (zero; the kernel leaves them
         zero again): one per split tile, then the dynamic schedule's; after them the tail plan
         of split_units pieces (TailPlan.words)."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale, whole_tiles, split_units,
+                    None, None, None, None, stream)
+
+    @cute.jit
+    def call_with_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOpiece: cute.Tensor,
+        mLSEpiece: cute.Tensor,
+        mPieceCount: cute.Tensor,
+        softmax_scale: cutlass.Float32,
+        whole_tiles: Int32,
+        split_units: Int32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """The entry point of a kernel with score modifications (config.window / softcap / alibi):
+        __call__'s arguments, then the modifications' values, None for each the configuration
+        leaves out. window_left / window_right: the window's sides, an unbounded side given as a
+        bound no row reaches; softcap > 0; mAlibiSlopes: (1 or batch, nheads) float32."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale, whole_tiles, split_units,
+                    window_left, window_right, softcap, mAlibiSlopes, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale: Float32,
+               whole_tiles: Int32, split_units: Int32, window_left, window_right, softcap, mAlibiSlopes,
+               stream: cuda.CUstream):
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
         # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
         mQ, mK, mO = [
@@ -178,13 +215,16 @@ class FlashAttnFwdSm90:
         grid_x = num_units
         if const_expr(self.cfg.num_sms > 0):
             grid_x = cutlass.min(num_units, self.cfg.num_sms)
-        softmax_scale_log2 = softmax_scale * Float32(LOG2_E)
+        # With softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap.
+        score_scale, mods = kernel_mod_args(self.cfg.window, self.cfg.softcap, self.cfg.alibi, softmax_scale,
+                                            window_left, window_right, softcap, mAlibiSlopes)
+        softmax_scale_log2 = score_scale * Float32(LOG2_E)
         gmem_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, 128, self.cfg.head_dim)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, mQ, mK, gmem_copy_O,
             mLSE, mOpiece, mLSEpiece, mPieceCount, whole_tiles, split_units, softmax_scale_log2,
             tiled_mma_qk, tiled_mma_pv,
-            sQ_layout, sK_layout, sVt_layout, SharedStorage,
+            sQ_layout, sK_layout, sVt_layout, SharedStorage, **mods,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.cfg.num_threads, 1, 1],
@@ -213,6 +253,11 @@ class FlashAttnFwdSm90:
         sK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
+        window_left: Int32 | None = None,
+        window_right: Int32 | None = None,
+        softcap_pre: Float32 | None = None,
+        mAlibiSlopes: cute.Tensor | None = None,
+        alibi_scale: Float32 | None = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -275,26 +320,28 @@ class FlashAttnFwdSm90:
             sQ_stage_layout = cute.slice_(sQ_layout, (None, None, 0))
             sO = storage.sO.get_tensor(sQ_stage_layout.outer, swizzle=sQ_stage_layout.inner)
 
+        # The window's sides, None without one (config.window).
+        window = (window_left, window_right) if const_expr(self.cfg.window) else None
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.register_split[0])
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched), walk_plan,
+                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched), walk_plan, window,
                 )
         else:
             cute.arch.setmaxregister_increase(self.cfg.register_split[1])
             self.consumer(
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O,
                 mLSE, pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
-                split, role_namespace(sched), walk_plan,
+                split, role_namespace(sched), walk_plan, window, softcap_pre, mAlibiSlopes, alibi_scale,
             )
 
 
     @cute.jit
     def producer(
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-        pipeline_q, pipeline_k, pipeline_v, split, sched, walk_plan,
+        pipeline_q, pipeline_k, pipeline_v, split, sched, walk_plan, window,
     ):
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         block_ranges = BlockRanges(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
@@ -310,7 +357,7 @@ class FlashAttnFwdSm90:
         while unit < num_units:
             next_unit = self.scheduler.unit_of_round(round_idx + 1, walk_plan)
             n_block_min, n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
-                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
+                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split, window
             )
             load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
             load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
@@ -331,7 +378,7 @@ class FlashAttnFwdSm90:
                 if const_expr(self.cfg.prefetch_next):
                     self.prefetch_tile(
                         next_unit, tma_atom_Q, mQ, tma_atom_K, mK,
-                        tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split,
+                        tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split, window,
                     )
                 # Consumers want K of block j before V of block j+1: issue in that order.
                 for i in cutlass.range(n_block_max - 1 - n_block_min, unroll=1):
@@ -351,12 +398,13 @@ class FlashAttnFwdSm90:
             round_idx += 1
             unit = next_unit
 
-    def tile_views(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split):
+    def tile_views(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split,
+                   window):
         """The K/V blocks [n_block_min, n_block_max) of one unit of the walk and the TMA (smem,
         gmem) views of its Q and of K, V by n_block."""
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
         m_block, head, batch, n_block_min, n_block_max, _ = self.scheduler.unit_work(
-            unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+            unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
         )
         head_kv = kv_head(head, num_heads, mK.shape[2])
         # Q by pieces of a tile's rows (q_by_group), smem (rows, d, piece, stage), gmem (rows, d, piece).
@@ -375,12 +423,12 @@ class FlashAttnFwdSm90:
 
     @cute.jit
     def prefetch_tile(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges,
-                      split):
+                      split, window):
         """Warm L2 with Q and the first K, V block of `unit` (this CTA's next one) while the current
         one runs, so the next tile does not start with a DRAM round trip."""
         if unit < self.scheduler.num_units(mQ.shape[0], mQ.shape[2], mQ.shape[3], split):
             n_block_min, n_block_max, (_, tQgQ), (_, tKgK), (_, tVgV) = self.tile_views(
-                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split
+                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split, window
             )
             if n_block_max > n_block_min:
                 for piece in cutlass.range_constexpr(self.cfg.q_pieces):
@@ -398,6 +446,7 @@ class FlashAttnFwdSm90:
     def consumer(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O, mLSE,
         pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched, walk_plan,
+        window, softcap_pre, mAlibiSlopes, alibi_scale,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -446,8 +495,12 @@ class FlashAttnFwdSm90:
                 # Read now: in the planned rounds it comes from global memory.
                 next_unit = self.scheduler.unit_of_round(round_idx + 1, walk_plan)
             m_block, head, batch, n_block_min, n_block_max, slot = self.scheduler.unit_work(
-                unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+                unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
             )
+            alibi_slope = None
+            if const_expr(self.cfg.alibi):
+                # (nheads,) slopes arrive as one row shared by the batch
+                alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
             acc_O.fill(0.0)
             softmax.reset()
             q_buffer = q_state.index // self.cfg.q_pieces  # this tile's Q stage (a piece's stage with q_by_group)
@@ -457,16 +510,23 @@ class FlashAttnFwdSm90:
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, q_index=q_buffer,
                 pipeline_q=pipeline_q, q_state=q_state, mQ=mQ_gmem, mK=mK_gmem, head=head, batch=batch,
+                window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
             )
             if n_block_max > n_block_min:
                 wait_full(pipeline_q, q_state, self.cfg.spin_waits)
                 wg_n_block_max = self.wg_n_block_max(c, n_block_min, n_block_max, block_ranges)
-                runs_mainloop = wg_n_block_max > n_block_min
+                wg_n_block_min = n_block_min
+                if const_expr(self.cfg.window):
+                    wg_n_block_min, wg_n_block_max = self.wg_window_blocks(c, n_block_min, wg_n_block_max)
+                runs_mainloop = wg_n_block_max > wg_n_block_min
                 kv_state = self.pass_blocks(
                     c, kv_state, n_block_max - cutlass.max(wg_n_block_max, n_block_min), runs_mainloop
                 )
                 if runs_mainloop:
-                    kv_state = self.mainloop(c, kv_state, n_block_min, wg_n_block_max, block_ranges)
+                    kv_state = self.mainloop(c, kv_state, wg_n_block_min, wg_n_block_max, block_ranges)
+                    if const_expr(self.cfg.window):
+                        # The blocks past the window's left edge of this group's rows, visited last.
+                        kv_state = self.pass_blocks(c, kv_state, wg_n_block_min - n_block_min, True)
                 if const_expr(self.cfg.separate_o or (self.cfg.o_from_registers and not self.cfg.release_q_early)):
                     # The producer may load the next tile's Q while this one's epilogue runs.
                     pipeline_q.consumer_release(q_state)
@@ -479,7 +539,7 @@ class FlashAttnFwdSm90:
                 # from them is not hoisted out of the tile loop (see __init__).
                 tidx_tile = opaque_i32(tidx)
                 m_block, head, batch, n_block_min, n_block_max, slot = self.scheduler.unit_work(
-                    opaque_i32(unit), seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split
+                    opaque_i32(unit), seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
                 )
             tOcO_mn = reshape_acc_to_mn(
                 tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim)))
@@ -527,25 +587,39 @@ class FlashAttnFwdSm90:
     def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):
         """Algorithm 1's inner loop over the K/V blocks [n_block_min, n_block_max) of one unit,
         last block first."""
-        n_block_causal = n_block_max
+        # Blocks from n_block_right_mask on cross the causal diagonal or the window's right edge for
+        # some row of the tile, blocks below n_block_left_mask the window's left edge.
+        n_block_right_mask = n_block_max
         if const_expr(self.cfg.causal):
-            n_block_causal = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
-        # Blocks [n_block_min, n_block_unmasked) need no mask; the last block is always masked (a
-        # piece's last block is inside seqlen_k unless the piece ends the row: masking is harmless).
-        n_block_unmasked = cutlass.min(n_block_causal, n_block_max - 1)
+            n_block_right_mask = block_ranges.n_block_min_causal_mask(c.m_block, c.seqlen_q, c.seqlen_k, 0)
+        n_block_left_mask = n_block_min
+        if const_expr(self.cfg.window):
+            n_block_right_mask, n_block_left_mask = block_ranges.n_block_window_masks(
+                c.m_block, c.seqlen_q, c.seqlen_k, *c.window
+            )
+        # Blocks [n_block_left_mask, n_block_unmasked) need no mask; the last block is always masked
+        # (a piece's last block is inside seqlen_k unless the piece ends the row: masking is harmless).
+        n_block_unmasked = cutlass.min(n_block_right_mask, n_block_max - 1)
+        if const_expr(self.cfg.window):
+            n_block_unmasked = cutlass.max(n_block_unmasked, n_block_min)
+            n_block_left_mask = cutlass.max(cutlass.min(n_block_left_mask, n_block_unmasked), n_block_min)
         # First block: S and softmax only; its PV GEMM overlaps the next block's S GEMM.
         wait_full(c.pipeline_k, kv_state, self.cfg.spin_waits)
         self.gemm_qk(c, kv_state.index)
         warpgroup.wait_group(0)
         c.pipeline_k.consumer_release(kv_state)
-        self.mask(c, n_block_max - 1, True, self.cfg.causal)
+        self.score_mods(c, n_block_max - 1)
+        self.mask(c, n_block_max - 1, True)
         c.softmax.online_softmax(c.acc_S, is_first=True)
         self.convert_P(c)
-        if const_expr(self.cfg.causal):
+        if const_expr(self.cfg.causal or self.cfg.window):
             for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
                 kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
-        for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
+        for i in cutlass.range(n_block_unmasked - n_block_left_mask, unroll=1):
             kv_state = self.one_block(c, kv_state, n_block_unmasked - 1 - i, False)
+        if const_expr(self.cfg.window):
+            for i in cutlass.range(n_block_left_mask - n_block_min, unroll=1):
+                kv_state = self.one_block(c, kv_state, n_block_left_mask - 1 - i, True)
         if const_expr(self.cfg.release_q_early):
             # The S GEMMs are done and O will not pass through Q's buffer: the next Q may load.
             c.pipeline_q.consumer_release(c.q_state)
@@ -572,13 +646,28 @@ class FlashAttnFwdSm90:
         return wg_n_block_max
 
     @cute.jit
+    def wg_window_blocks(self, c, n_block_min, wg_n_block_max):
+        """With a window, the blocks [wg_n_block_min, wg_n_block_max) of the tile's that this warp
+        group's own rows see (a 64-row BlockRanges of its own: a group's rows reach a block or two
+        less far than the tile's on either side, with 192-row tiles); (n_block_min, n_block_min)
+        when they see none or do not exist, so that the group passes the whole tile."""
+        wg_window_min, wg_window_max = BlockRanges(64, self.cfg.tile_n, False).n_block_min_max_window(
+            c.m_block * self.cfg.num_wg_mma + c.wg_idx, c.seqlen_q, c.seqlen_k, *c.window
+        )
+        wg_n_block_min = cutlass.max(n_block_min, wg_window_min)
+        wg_n_block_max = cutlass.min(wg_n_block_max, wg_window_max)
+        sees_none = wg_n_block_min >= wg_n_block_max
+        return (n_block_min if sees_none else wg_n_block_min), (n_block_min if sees_none else wg_n_block_max)
+
+    @cute.jit
     def pass_blocks(self, c, kv_state, num_blocks, mainloop_follows):
         """The mainloop's waits, releases and ping-pong turns without its GEMMs and softmax, for
         blocks this warp group does not need (wg_n_block_max): every block of the tile, when none
         of its rows exist, or, causal, the first blocks visited, which only the tile's later rows
-        see. The other groups run as before and the tile costs about what its needed blocks do.
-        The mainloop takes a turn for every block but its first: a group passing the whole tile
-        takes one less, one passing blocks before its mainloop one per block."""
+        see (with a window also the last ones, past its rows' left edge: wg_window_blocks). The
+        other groups run as before and the tile costs about what its needed blocks do. The
+        mainloop takes a turn for every block but its first: a group passing the whole tile takes
+        one less, one passing blocks before or after its mainloop one per block."""
         for i in cutlass.range(num_blocks, unroll=1):
             wait_full(c.pipeline_k, kv_state, self.cfg.spin_waits)
             c.pipeline_k.consumer_release(kv_state)
@@ -608,8 +697,9 @@ class FlashAttnFwdSm90:
         convert_f32_to_16bit(c.acc_S, c.tOrP)
 
     @cute.jit
-    def one_block(self, c, kv_state, n_block, mask_causal: cutlass.Constexpr):
-        """S GEMM of n_block overlapped with the PV GEMM of the block before it."""
+    def one_block(self, c, kv_state, n_block, masked: cutlass.Constexpr):
+        """S GEMM of n_block overlapped with the PV GEMM of the block before it; `masked`: a block
+        crossing the causal diagonal or an edge of the window."""
         kv_state_v = kv_state.clone()
         kv_state.advance()
         wait_full(c.pipeline_k, kv_state, self.cfg.spin_waits)
@@ -623,9 +713,10 @@ class FlashAttnFwdSm90:
         self.turn_signal(c.wg_idx)
         warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
         c.pipeline_k.consumer_release(kv_state)
-        if const_expr(mask_causal):
-            self.mask(c, n_block, False, True)
-        if const_expr(self.cfg.stale_max and not mask_causal):
+        self.score_mods(c, n_block)
+        if const_expr(masked):
+            self.mask(c, n_block, False)
+        if const_expr(self.cfg.stale_max and not masked):
             # stale_max: the exponentials first, while the PV GEMM runs; its wait before P's registers
             # are rewritten (and O, in the rare rescale).
             block_sum = cute.make_rmem_tensor_like(c.softmax.row_sum, Float32)
@@ -674,6 +765,7 @@ class FlashAttnFwdSm90:
             for k in cutlass.range(self.cfg.head_dim, unroll=1):
                 score += q_row[k].to(Float32) * k_row[k].to(Float32)
             c.acc_S[i] = score
+        self.score_mods(c, n_block)  # (only unmasked blocks are rescored)
 
     # ------------------------------------------------------------------ ping-pong
 
@@ -690,8 +782,18 @@ class FlashAttnFwdSm90:
             next_wg = (wg_idx + 1) % self.cfg.num_wg_mma
         cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE + next_wg, number_of_threads=256)
 
-    def mask(self, c, n_block, mask_seqlen: bool, mask_causal: bool):
+    def mask(self, c, n_block, mask_seqlen: bool):
+        """The causal diagonal's or the window's mask (with `mask_seqlen`, also seqlen_k's)."""
         apply_mask(c.acc_S, c.thr_qk, self.cfg.tile_m, self.cfg.tile_n, c.m_block, n_block,
-                   c.seqlen_q, c.seqlen_k, mask_seqlen, mask_causal)
+                   c.seqlen_q, c.seqlen_k, mask_seqlen, self.cfg.causal, window=c.window)
+
+    def score_mods(self, c, n_block):
+        """softcap, then ALiBi, on S of n_block, before any mask (flash-attn 2's order: a capped
+        -inf would be -1)."""
+        if const_expr(self.cfg.softcap):
+            apply_softcap(c.acc_S, c.softcap_pre)
+        if const_expr(self.cfg.alibi):
+            apply_alibi(c.acc_S, c.thr_qk, self.cfg.tile_m, self.cfg.tile_n, c.m_block, n_block, c.seqlen_q,
+                        c.seqlen_k, c.alibi_slope)
 
     # ------------------------------------------------------------------ tail split

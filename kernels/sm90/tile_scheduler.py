@@ -354,11 +354,13 @@ class TileScheduler:
 
     @cute.jit
     def unit_work(self, unit: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_batch: Int32,
-                  block_ranges: BlockRanges, split):
+                  block_ranges: BlockRanges, split, window=None):
         """What unit `unit` of the walk computes: (m_block, head, batch), the K/V blocks
         [n_block_min, n_block_max) and its workspace `slot`, -1 for a whole tile. After the
         split.whole_tiles whole tiles come split.units pieces of the tiles after them, piece i in
-        slot i, its tile and blocks in row i of the tail plan (TailPlan)."""
+        slot i, its tile and blocks in row i of the tail plan (TailPlan). With a sliding window
+        ((left, right), config.window), the blocks some row of the tile sees; the producer and the
+        consumers both take the range from here, so they agree on every block."""
         tile = unit
         slot = Int32(-1)
         plan = self.tail_plan_words(split) if const_expr(self.cfg.splits_tail) else None
@@ -367,7 +369,15 @@ class TileScheduler:
                 slot = unit - split.whole_tiles
                 tile = plan[slot * TailPlan.UNIT_WORDS]
         m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
-        n_block_min, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        if const_expr(window is not None):
+            n_block_min, n_block_max = block_ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
+            # A tile whose rows see no key still runs one block, fully masked (out = 0, lse = -inf),
+            # so that its O leaves the usual way: an empty tile would write O through a Q buffer
+            # that the producer, having nothing to load for it, already refills for the next tile.
+            n_block_max = cutlass.max(n_block_max, 1)
+            n_block_min = cutlass.min(n_block_min, n_block_max - 1)
+        else:
+            n_block_min, n_block_max = block_ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
         if const_expr(self.cfg.splits_tail):
             if slot >= 0:
                 n_block_min, n_block_max = plan[slot * TailPlan.UNIT_WORDS + 1], plan[slot * TailPlan.UNIT_WORDS + 2]

@@ -20,18 +20,33 @@ def _mods(window_size, softcap, alibi_slopes) -> dict:
     return {"window_size": window_size, "softcap": softcap, "alibi_slopes": alibi_slopes}
 
 
+def _dropout(dropout_p, rng_state) -> dict:
+    """A dropout call's arguments, recorded only when dropout is on."""
+    return {"dropout_p": dropout_p, "rng_state": rng_state} if dropout_p else {}
+
+
+def _keep(q, k, dropout_p, rng_state):
+    """The kernels' keep mask of a dropout call (cute_flash.dropout), None without dropout."""
+    if not dropout_p:
+        return None
+    from cute_flash.dropout import dropout_keep_mask
+
+    return dropout_keep_mask(q.shape[0], q.shape[2], q.shape[1], k.shape[1], dropout_p, rng_state)
+
+
 class ReferenceKernels:
     def __init__(self):
         self.forward_calls: list[dict] = []
         self.backward_calls: list[dict] = []
 
     def forward(self, q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, window_size=(-1, -1),
-                softcap=0.0, alibi_slopes=None):
+                softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
         self.forward_calls.append({"q": q, "k": k, "v": v, "softmax_scale": softmax_scale, "causal": causal,
-                                   **_mods(window_size, softcap, alibi_slopes)})
+                                   **_mods(window_size, softcap, alibi_slopes), **_dropout(dropout_p, rng_state)})
         ref_out, ref_lse = reference_attention(q.detach(), k.detach(), v.detach(), softmax_scale=softmax_scale,
                                                causal=causal, window_size=window_size, softcap=softcap,
-                                               alibi_slopes=alibi_slopes)
+                                               alibi_slopes=alibi_slopes, dropout_p=dropout_p,
+                                               dropout_keep=_keep(q, k, dropout_p, rng_state))
         result_out, result_lse = ref_out.to(q.dtype), ref_lse.float()
         if out is not None:
             out.copy_(result_out)
@@ -42,14 +57,15 @@ class ReferenceKernels:
         return result_out, result_lse
 
     def backward(self, dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scale=None, causal=False,
-                 deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                 deterministic=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                 rng_state=None):
         """FlashAttention-2's backward equations in float64 (the kernels run below autograd, so the
         stand-in cannot differentiate the reference itself). Like the kernels, it takes P from the
         given `lse` (P = exp(scale * S - lse)) and D = rowsum(dO * O) from the given `out`, never from
         a softmax of its own: a caller that passes the out and lse of a larger attention (ring
         attention passes the merged ones of the whole sequence) gets that attention's gradients."""
         self.backward_calls.append({"softmax_scale": softmax_scale, "causal": causal, "deterministic": deterministic,
-                                    **_mods(window_size, softcap, alibi_slopes)})
+                                    **_mods(window_size, softcap, alibi_slopes), **_dropout(dropout_p, rng_state)})
         scale = 1 / math.sqrt(q.shape[-1]) if softmax_scale is None else softmax_scale
         group = q.shape[2] // k.shape[2]
         qh, doh, oh = (t.double().transpose(1, 2) for t in (q, dout, out))
@@ -64,9 +80,15 @@ class ReferenceKernels:
         scores = scores.masked_fill(~visible_keys(q.shape[1], k.shape[1], causal, window_size), float("-inf"))
         # A row that sees no key has lse = -inf: exp(-inf - (-inf)) is nan there, and its P is 0.
         probs = torch.exp(scores - lse.double().unsqueeze(-1)).nan_to_num(0.0)
+        # Dropout (FlashAttention-2's backward): Z = keep / (1 - p); dV = (P Z)^T dO,
+        # dS = P (dP Z - D), D = rowsum(dO O) of the dropped output.
+        keep = _keep(q, k, dropout_p, rng_state)
+        dropped = probs if keep is None else probs * keep / (1.0 - dropout_p)
         dp = doh @ vh.transpose(-1, -2)
+        if keep is not None:
+            dp = dp * keep / (1.0 - dropout_p)
         ds = probs * (dp - (doh * oh).sum(-1, keepdim=True)) * capped
-        grads = [(ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale, probs.transpose(-1, -2) @ doh]
+        grads = [(ds @ kh) * scale, (ds.transpose(-1, -2) @ qh) * scale, dropped.transpose(-1, -2) @ doh]
 
         def per_kv_head(t):
             b, h, s, d = t.shape

@@ -71,7 +71,7 @@ def test_flash_attn_positional_call_is_dropout_then_scale(kernels):
 
 
 UNSUPPORTED = [
-    ({"dropout_p": 0.1}, "dropout_p=0.0"),
+    ({"dropout_p": 0.1, "return_attn_probs": True}, "dropout_keep_mask"),
 ]
 
 
@@ -124,7 +124,8 @@ def test_score_mods_reach_the_kernels_forward_and_backward(kernels, kwargs):
 def test_old_positional_order_is_rejected_not_misread(kernels):
     """Calls written for the former (q, k, v, softmax_scale, causal, return_lse) order."""
     q, k, v = qkv()
-    expect(ErrorCode.INVALID_DIMENSION, cute_flash.UnsupportedArgumentError, flash_attn_func, q, k, v, 0.125, True)
+    # 0.125 is a valid dropout_p now; the bool in softmax_scale's place is still refused
+    expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, flash_attn_func, q, k, v, 0.125, True)
     expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, flash_attn_func, q, k, v, None, True)
     expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, flash_attn_func, q, k, v, 0.0, True)
     expect(ErrorCode.INVALID_DIMENSION, cute_flash.InvalidDimensionError, flash_attn_func, q, k, v, 0.0, None, True, True)
@@ -136,6 +137,7 @@ BAD_VALUES = [
     ({"dropout_p": "0"}, "dropout_p"),
     ({"dropout_p": True}, "dropout_p"),
     ({"dropout_p": -0.5}, "dropout_p"),
+    ({"dropout_p": 1.0}, "dropout_p"),
     ({"dropout_p": math.nan}, "dropout_p"),
     ({"softmax_scale": True}, "softmax_scale"),
     ({"softmax_scale": "0.1"}, "softmax_scale"),

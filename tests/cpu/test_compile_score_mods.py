@@ -1,11 +1,16 @@
-"""The sm80 kernels with sliding windows, softcap and ALiBi compile (no GPU needed) without spills,
-through the plans dispatch makes for them: on every GPU (the Hopper family included) such a call
-is planned on the sm80 kernels' `call_with_mods` entry point. That the plain kernels' PTX is
-unchanged by these switches is shown with scripts/ptx-hashes.py (docs/kernels/sm80-forward.md)."""
+"""The kernels with sliding windows, softcap and ALiBi compile (no GPU needed) without spills,
+through the plans dispatch makes for them: the sm80 kernels' `call_with_mods` entry point on every
+GPU, but for the forward of fp16 / bf16 at the Hopper forward's head dims on sm_90, which the
+Hopper forward's `call_with_mods` serves (its backward stays sm80). That the plain kernels' PTX is
+unchanged by these switches is shown with scripts/ptx-hashes.py (docs/kernels/sm80-forward.md,
+docs/kernels/sm90-forward.md)."""
+
+import re
 
 import pytest
 import torch
 
+from cute_flash import compile_report as compile_report_module
 from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
 
@@ -14,7 +19,7 @@ VARIANTS = [
     ("fwd", (True, True, True), torch.bfloat16, 128, False, False, False, (8, 0)),
     ("fwd", (True, False, False), torch.float16, 64, False, False, False, (8, 0)),
     ("fwd", (False, True, False), torch.bfloat16, 72, True, False, False, (9, 0)),
-    ("fwd", (False, False, True), torch.float16, 256, True, False, False, (9, 0)),
+    ("fwd", (False, False, True), torch.float16, 256, True, False, False, (8, 0)),
     # d128 on sm_80 reads P back from smem: softcap's factor waits in dS's tile
     ("bwd", (True, True, True), torch.bfloat16, 128, False, False, False, (8, 0)),
     # on sm_90a the fp32 P stays in registers: the factor is folded into it
@@ -34,7 +39,8 @@ def _id(v):
 def test_modified_kernels_compile_without_spills(variant):
     pass_name, mods, dtype, head_dim, causal, deterministic, gqa, capability = variant
     if pass_name == "fwd":
-        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, family="sm90", num_sms=132, mods=mods)
+        # the GPU's own family: on sm_90 the Hopper forward's (head dim 72: none, so sm80)
+        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, num_sms=132, mods=mods)
     else:
         plan = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, family="sm90",
                                       mods=mods).main
@@ -48,6 +54,54 @@ def test_modified_kernels_compile_without_spills(variant):
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
+# The Hopper forward's modified variants, through dispatch's plans (capability 9.0, 132 SMs):
+# (mods, dtype, head dim, causal, length class), one per setting a modification meets: three
+# consumer warp groups (long d64 / d96 / d128), two Q stages, per-group and TMA O stores, O from
+# registers (short d256), the planned causal walk, stale and lazy softmax forms.
+SM90_VARIANTS = [
+    ((True, True, True), torch.bfloat16, 128, False, "long"),
+    ((True, False, False), torch.float16, 64, False, "long"),
+    ((False, True, True), torch.bfloat16, 64, True, "short"),
+    ((False, False, True), torch.float16, 256, True, "long"),
+    ((True, False, False), torch.bfloat16, 256, False, "short"),
+    ((False, True, False), torch.float16, 192, False, "long"),
+    ((True, True, False), torch.bfloat16, 96, False, "short_2k"),
+    ((False, True, False), torch.float16, 128, True, "short"),
+    ((True, False, True), torch.bfloat16, 128, False, "short_512"),
+]
+
+
+def _sm90_id(v):
+    flags = "".join(name for name, on in zip(("window", "softcap", "alibi"), v[0]) if on)
+    return f"{flags}-{str(v[1])[6:]}-d{v[2]}-{'causal' if v[3] else 'full'}-{v[4]}"
+
+
+@pytest.mark.parametrize("variant", SM90_VARIANTS, ids=_sm90_id)
+def test_hopper_forward_with_modifications_compiles_to_wgmma_without_spills(variant, monkeypatch):
+    mods, dtype, head_dim, causal, length = variant
+    plan = dispatch.plan_forward((9, 0), dtype, head_dim, causal, length, num_sms=132, mods=mods)
+    assert plan.family == "sm90" and plan.entry == "call_with_mods"
+    config = plan.config
+    assert (config.window, config.softcap, config.alibi) == mods
+    # The class's own settings, with the switches on; a window walks no causal order and splits no tail.
+    plain = dispatch.plan_forward((9, 0), dtype, head_dim, causal, length, num_sms=132).config
+    assert type(config)(**{**plan.settings(), "window": False, "softcap": False, "alibi": False}) == plain
+    if mods[0]:
+        assert not config.splits_tail and config.tile_order == "none" and not config.planned_tail
+    logs = []
+    parse = compile_report_module._parse
+    monkeypatch.setattr(compile_report_module, "_parse", lambda log: (logs.append(log), parse(log))[1])
+    kernel, args = plan.build()
+    report = compile_report(kernel, args, arch=plan.arch)
+    assert "wgmma.mma_async" in report.ptx and "cp.async.bulk.tensor" in report.ptx and "setmaxnreg" in report.ptx
+    if mods[1]:
+        # tanh from ex2 and rcp on every score of S, at least once per S fragment element
+        assert report.ptx.count("rcp.approx") >= config.tile_n // 2
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+    advisories = re.findall(r"\((C751\d)\)", logs[0])
+    assert not advisories, f"ptxas serialized or waited for wgmma instructions: {advisories}"
+
+
 def test_plain_plans_keep_their_entry_and_family():
     plan = dispatch.plan_forward((9, 0), torch.bfloat16, 128, True, family="sm90", num_sms=132)
     assert plan.family == "sm90" and plan.entry is None
@@ -56,5 +110,31 @@ def test_plain_plans_keep_their_entry_and_family():
 
 
 def test_a_causal_window_is_planned_as_a_window():
-    with pytest.raises(ValueError, match="right = 0"):
-        dispatch.plan_forward((8, 0), torch.float16, 64, True, family="sm80", mods=(True, False, False))
+    for capability in ((8, 0), (9, 0)):
+        with pytest.raises(ValueError, match="right = 0"):
+            dispatch.plan_forward(capability, torch.float16, 64, True, num_sms=132, mods=(True, False, False))
+
+
+def test_modified_calls_on_hopper_plan_the_hopper_forward_and_the_sm80_backward():
+    """fp16 / bf16 at the Hopper forward's head dims: its forward for every length class (a
+    configuration it can implement); fp32, other head dims and every backward: sm80."""
+    from cute_flash.kernels.sm90.config import HEAD_DIMS, can_implement
+
+    for mods in ((True, False, False), (False, True, False), (False, False, True), (True, True, True)):
+        for head_dim in (64, 72, 96, 128, 160, 192, 256):
+            for dtype in (torch.float16, torch.bfloat16, torch.float32):
+                hopper = head_dim in HEAD_DIMS and dtype != torch.float32
+                for causal in ((False,) if mods[0] else (False, True)):
+                    for length in dispatch.length_classes(causal):
+                        plan = dispatch.plan_forward((9, 0), dtype, head_dim, causal, length, num_sms=132, mods=mods)
+                        assert plan.family == ("sm90" if hopper else "sm80") and plan.entry == "call_with_mods"
+                        if hopper:
+                            assert can_implement(plan.config)
+                        if hopper and mods[0]:
+                            assert not plan.config.splits_tail
+                    backward = dispatch.plan_backward((9, 0), dtype, head_dim, False, mods=mods)
+                    assert backward.main.family == "sm80"
+                # CUTE_FLASH_KERNEL_ARCH=sm80's family: sm80 forward too
+                forced = dispatch.plan_forward((9, 0), dtype, head_dim, False, "long", num_sms=132, family="sm80",
+                                               mods=mods)
+                assert forced.family == "sm80"

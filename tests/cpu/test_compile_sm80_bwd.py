@@ -12,9 +12,9 @@ import torch
 from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
 from cute_flash.device import capability_of
-from cute_flash.kernels.sm80.bwd import FlashAttnBwdSm80, smem_capacity
 from cute_flash.kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
 from cute_flash.kernels.sm80.bwd_pre import FlashAttnBwdPreprocessSm80
+from cute_flash.kernels.sm80.config import bwd_can_implement, bwd_default_tiles, bwd_smem_bytes, smem_capacity
 
 ARCH = "sm_80"
 BF16, FP16, FP32 = cutlass.BFloat16, cutlass.Float16, cutlass.Float32
@@ -69,7 +69,7 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
     dtype, head_dim, causal, deterministic, gqa = variant
     plan = backward_plan(dtype, head_dim, causal, deterministic, gqa, arch).main
     tiles = {k: v for k, v in plan.settings().items() if k not in ("dtype", "head_dim", "causal", "deterministic")}
-    assert FlashAttnBwdSm80.can_implement(dtype, head_dim, causal, arch, **tiles)
+    assert bwd_can_implement(dtype, head_dim, causal, arch, **tiles)
     with capsys.disabled():  # compile_report reads the ptxas remarks from the real stderr
         report = compile_report(*plan.build(), arch=arch)
     ptx = report.ptx
@@ -115,14 +115,14 @@ def test_tiles_fit_and_cover_every_head_dim():
     for head_dim in range(8, 257, 8):
         for causal in (False, True):
             for arch, gqa in ((ARCH, False), ("sm_90a", False), ("sm_90a", True)):
-                tiles = FlashAttnBwdSm80.default_tiles(BF16, head_dim, causal, arch, gqa)
-                assert FlashAttnBwdSm80.can_implement(BF16, head_dim, causal, arch, **tiles), (head_dim, tiles)
-                assert FlashAttnBwdSm80.smem_bytes(BF16, head_dim, **tiles) <= smem_capacity(arch)
-    assert not FlashAttnBwdSm80.can_implement(BF16, 260, False)
-    assert not FlashAttnBwdSm80.can_implement(BF16, 44, False)
+                tiles = bwd_default_tiles(BF16, head_dim, causal, arch, gqa)
+                assert bwd_can_implement(BF16, head_dim, causal, arch, **tiles), (head_dim, tiles)
+                assert bwd_smem_bytes(BF16, head_dim, **tiles) <= smem_capacity(arch)
+    assert not bwd_can_implement(BF16, 260, False)
+    assert not bwd_can_implement(BF16, 44, False)
 
 
-# fp32 (split TF32): every tile class of FlashAttnBwdSm80._fp32_tiles for both targets, an odd
+# fp32 (split TF32): every tile class of config._bwd_fp32_tiles for both targets, an odd
 # head dim, deterministic and grouped-query variants.
 FP32_TARGETS = [
     ((FP32, 64, False, False, False), ARCH), ((FP32, 40, True, True, True), ARCH),
@@ -148,30 +148,30 @@ def test_fp32_main_kernel_compiles_to_split_tf32_without_spills(variant, arch, c
 def test_fp32_tiles_fit_every_head_dim():
     for head_dim in range(8, 257, 8):
         for arch in (ARCH, "sm_90a"):
-            tiles = FlashAttnBwdSm80.default_tiles(FP32, head_dim, True, arch)
-            assert FlashAttnBwdSm80.can_implement(FP32, head_dim, True, arch, **tiles), (head_dim, arch, tiles)
-            assert FlashAttnBwdSm80.smem_bytes(FP32, head_dim, **tiles) <= smem_capacity(arch)
+            tiles = bwd_default_tiles(FP32, head_dim, True, arch)
+            assert bwd_can_implement(FP32, head_dim, True, arch, **tiles), (head_dim, arch, tiles)
+            assert bwd_smem_bytes(FP32, head_dim, **tiles) <= smem_capacity(arch)
 
 
 def test_compile_key_holds_only_code_generating_choices():
-    tiles = FlashAttnBwdSm80.default_tiles(BF16, 128, True)
+    tiles = bwd_default_tiles(BF16, 128, True)
     key = backward_plan(BF16, 128, True).main.key
     assert key[:2] == ("cute_flash.kernels.sm80.bwd", "FlashAttnBwdSm80")
     assert key != backward_plan(BF16, 128, True, deterministic=True).main.key
     assert key != backward_plan(BF16, 128, True, gqa=True).main.key  # fp32 dK / dV
     assert backward_plan(BF16, 128, True).pre.key == backward_plan(BF16, 128, False, True, True).pre.key
     # The H100's target keeps the fp32 P at d = 128; bf16 splits dQ's rows over four warps.
-    h100 = FlashAttnBwdSm80.default_tiles(BF16, 128, True, "sm_90a")
+    h100 = bwd_default_tiles(BF16, 128, True, "sm_90a")
     assert h100["p_in_registers"] and h100["atom_m_dq"] == 4 and not tiles["p_in_registers"]
     assert backward_plan(BF16, 128, True, arch="sm_90a").main.key != key
-    h100_fp16 = FlashAttnBwdSm80.default_tiles(FP16, 128, True, "sm_90a")
+    h100_fp16 = bwd_default_tiles(FP16, 128, True, "sm_90a")
     assert h100_fp16["p_in_registers"] and h100_fp16["atom_m_dq"] == 2
-    assert FlashAttnBwdSm80.default_tiles(FP16, 256, False, "sm_90a")["p_in_registers"]
+    assert bwd_default_tiles(FP16, 256, False, "sm_90a")["p_in_registers"]
     # The H100's smem holds a second Q buffer at d = 256, with dQ in four chunks; grouped-query
     # heads give up the fp32 P there.
-    wide = FlashAttnBwdSm80.default_tiles(BF16, 256, False, "sm_90a")
+    wide = bwd_default_tiles(BF16, 256, False, "sm_90a")
     assert (wide["num_stages_Q"], wide["num_stages_dO"], wide["dq_chunks"]) == (2, 1, 4)
-    assert FlashAttnBwdSm80.default_tiles(BF16, 256, False)["num_stages_Q"] == 1
-    assert not FlashAttnBwdSm80.default_tiles(BF16, 256, False, "sm_90a", gqa=True)["p_in_registers"]
+    assert bwd_default_tiles(BF16, 256, False)["num_stages_Q"] == 1
+    assert not bwd_default_tiles(BF16, 256, False, "sm_90a", gqa=True)["p_in_registers"]
     assert backward_plan(BF16, 256, False, arch="sm_90a").main.key != backward_plan(BF16, 256, False).main.key
-    assert not FlashAttnBwdSm80.default_tiles(FP16, 256, False)["p_in_registers"]
+    assert not bwd_default_tiles(FP16, 256, False)["p_in_registers"]

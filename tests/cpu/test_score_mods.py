@@ -220,3 +220,62 @@ def test_forward_walk_visits_every_visible_block_once_and_masks_every_edge(sq, s
                 if not masked:
                     keys = range(n * tile_n, (n + 1) * tile_n)
                     assert keys.stop <= sk and all(seen[i][j] for i in rows for j in keys), (window, m, n)
+
+
+def hopper_forward_walks(tile_m, tile_n, m, sq, sk, left, right):
+    """The key blocks each consumer warp group of the Hopper forward visits for query block m with
+    a window, in order, each with whether it is masked, and the blocks the producer loads
+    (kernels/sm90/tile_scheduler.py: unit_work; kernels/sm90/fwd.py: wg_n_block_max,
+    wg_window_blocks, mainloop; the same integer steps)."""
+    ranges = BlockRanges(tile_m, tile_n, False)
+    n_min, n_max = ranges.n_block_min_max_window(m, sq, sk, left, right)
+    n_max = max(n_max, 1)
+    n_min = min(n_min, n_max - 1)
+    loaded = list(range(n_max - 1, n_min - 1, -1))
+    walks = []
+    for wg in range(tile_m // 64):
+        wg_max = n_max if m * tile_m + wg * 64 < sq else n_min
+        own_min, own_max = BlockRanges(64, tile_n, False).n_block_min_max_window(
+            m * (tile_m // 64) + wg, sq, sk, left, right)
+        wg_min, wg_max = max(n_min, own_min), min(wg_max, own_max)
+        if wg_min >= wg_max:
+            wg_min = wg_max = n_min
+        walk = []
+        if wg_max > wg_min:
+            right_mask, left_mask = ranges.n_block_window_masks(m, sq, sk, left, right)
+            unmasked = max(min(right_mask, wg_max - 1), wg_min)
+            left_end = max(min(left_mask, unmasked), wg_min)
+            walk = [(wg_max - 1, True)] + [(n, True) for n in range(wg_max - 2, unmasked - 1, -1)]
+            walk += [(n, False) for n in range(unmasked - 1, left_end - 1, -1)]
+            walk += [(n, True) for n in range(left_end - 1, wg_min - 1, -1)]
+        walks.append(walk)
+    return loaded, walks
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(128, 128), (192, 80), (192, 128), (128, 112), (192, 96), (128, 64)])
+@pytest.mark.parametrize("sq, sk", [(1, 1), (5, 300), (300, 5), (129, 257), (700, 700), (1000, 64), (640, 77)])
+def test_hopper_forward_walk_visits_every_visible_block_and_masks_every_edge(sq, sk, tile_m, tile_n):
+    """Per warp group of 64 rows: every key its rows see lies in a block it visits, a block it
+    visits unmasked is fully visible to its rows, and it visits a run of the blocks the producer
+    loads in the producer's order (the others it passes before and after, pass_blocks). Every
+    tile loads at least one block (a tile whose rows see no key runs one fully masked block)."""
+    num_n = -(-sk // tile_n)
+    for window in WINDOWS + [(0, -1), (5, 5), (1024, 0)]:
+        left, right = (sq + sk if side < 0 else side for side in window)
+        seen = visible(sq, sk, left, right)
+        for m in range(-(-sq // tile_m)):
+            loaded, walks = hopper_forward_walks(tile_m, tile_n, m, sq, sk, left, right)
+            assert loaded and 0 <= loaded[-1] and loaded[0] < num_n, (window, m, loaded)
+            for wg, walk in enumerate(walks):
+                rows = range(m * tile_m + wg * 64, min(m * tile_m + (wg + 1) * 64, sq))
+                blocks = [n for n, _ in walk]
+                first = loaded.index(blocks[0]) if blocks else 0
+                assert blocks == loaded[first:first + len(blocks)], (window, m, wg, blocks, loaded)
+                for n in range(num_n):
+                    keys = range(n * tile_n, min((n + 1) * tile_n, sk))
+                    if any(seen[i][j] for i in rows for j in keys):
+                        assert n in blocks, (window, m, wg, n)
+                for n, masked in walk:
+                    if not masked:
+                        keys = range(n * tile_n, (n + 1) * tile_n)
+                        assert keys.stop <= sk and all(seen[i][j] for i in rows for j in keys), (window, m, wg, n)

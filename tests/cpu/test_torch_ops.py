@@ -18,15 +18,24 @@ def fake_inputs(mode, b=2, sq=300, sk=257, h=8, hkv=2, d=64, dtype=torch.bfloat1
 def test_forward_op_shapes_under_fake_tensors():
     with FakeTensorMode() as mode:
         q, k, v = fake_inputs(mode)
-        out, lse = torch.ops.cute_flash.attention_forward(q, k, v, 0.125, True)
+        out, lse, _ = torch.ops.cute_flash.attention_forward(q, k, v, 0.125, True)
         assert out.shape == q.shape and out.dtype == q.dtype and out.is_contiguous()
         assert lse.shape == (2, 8, 300) and lse.dtype == torch.float32
+
+
+def test_dropout_forward_op_returns_its_stream_under_fake_tensors():
+    with FakeTensorMode() as mode:
+        q, k, v = fake_inputs(mode)
+        out, lse, rng_state = torch.ops.cute_flash.attention_forward(q, k, v, 0.125, True, dropout_p=0.1)
+        assert out.shape == q.shape and rng_state.shape == (2,) and rng_state.dtype == torch.int64
+        with pytest.raises(cute_flash.InvalidDimensionError, match="dropout_p"):
+            torch.ops.cute_flash.attention_forward(q, k, v, 0.125, True, dropout_p=1.5)
 
 
 def test_backward_op_shapes_under_fake_tensors():
     with FakeTensorMode() as mode:
         q, k, v = fake_inputs(mode)
-        out, lse = torch.ops.cute_flash.attention_forward(q, k, v, 0.125, False)
+        out, lse, _ = torch.ops.cute_flash.attention_forward(q, k, v, 0.125, False)
         dq, dk, dv = torch.ops.cute_flash.attention_backward(out, q, k, v, out, lse, 0.125, False, True)
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
 

@@ -108,6 +108,15 @@ def _scores(qh, kh, scale, causal, mods=None, h=0):
     return s, capped
 
 
+def _dropout(mods, h):
+    """(keep mask of query head h, 1 / (1 - p)) of a dropout call (`mods`: dropout_p and the
+    dropout_keep mask, as the reference takes them), (1, 1) without dropout."""
+    keep = mods.get("dropout_keep")
+    if keep is None:
+        return 1.0, 1.0
+    return keep[:, h].to(torch.float32), 1.0 / (1.0 - mods["dropout_p"])
+
+
 def _heads(q, k):
     """(query head, its K/V head) pairs."""
     group = q.shape[2] // k.shape[2]
@@ -117,7 +126,8 @@ def _heads(q, k):
 def emulate_forward(q, k, v, softmax_scale, causal, **mods):
     """(out, lse) as a flash forward computes them: fp32 scores from the 16-bit inputs, fp32
     softmax, P (relative to the row max) rounded to the input dtype for P·V, fp32 accumulation,
-    O divided by the fp32 row sum and rounded once. One head at a time to bound memory."""
+    O divided by the fp32 row sum and rounded once. One head at a time to bound memory. Dropout
+    (mods dropout_p, dropout_keep): the rounded P zeroed where dropped, O scaled by 1 / (1 - p)."""
     batch, seqlen_q, nheads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(batch, nheads, seqlen_q, device=q.device)
@@ -127,9 +137,10 @@ def emulate_forward(q, k, v, softmax_scale, causal, **mods):
         row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
         p = torch.exp(s - row_max)
         row_sum = p.sum(-1, keepdim=True)
-        acc = _fp32_matmul(p.to(q.dtype), v[:, :, hk])
+        keep, rescale = _dropout(mods, h)
+        acc = _fp32_matmul(p.to(q.dtype) * keep, v[:, :, hk])
         seen = row_sum > 0
-        out[:, :, h] = torch.where(seen, acc / torch.where(seen, row_sum, 1.0), 0.0).to(q.dtype)
+        out[:, :, h] = torch.where(seen, acc / torch.where(seen, row_sum, 1.0) * rescale, 0.0).to(q.dtype)
         lse[:, h] = torch.where(seen, row_max + torch.log(row_sum), float("-inf")).squeeze(-1)
     return out, lse
 
@@ -138,7 +149,8 @@ def emulate_backward(dout, q, k, v, out, lse, softmax_scale, causal, **mods):
     """(dq, dk, dv) as a flash backward computes them: fp32 dP = dO V^T, P recomputed in fp32
     from the scores and LSE, D = rowsum(dO * O) and dS = P * (dP - D) in fp32; dV from P and
     dQ, dK from dS rounded to the input dtype, fp32 accumulation (grouped query heads summed in
-    fp32), one rounding at the end."""
+    fp32), one rounding at the end. Dropout as the kernels: dS = P (dP Z - D) with Z = keep / (1 - p),
+    dV from the kept rounded P, scaled by 1 / (1 - p)."""
     dq = torch.empty_like(q)
     dk32 = torch.zeros(k.shape, device=k.device)
     dv32 = torch.zeros(v.shape, device=v.device)
@@ -148,10 +160,11 @@ def emulate_backward(dout, q, k, v, out, lse, softmax_scale, causal, **mods):
         row_lse = lse[:, h, :, None]
         p = torch.exp(s - torch.where(torch.isfinite(row_lse), row_lse, 0.0))
         dp = _fp32_matmul(dout[:, :, h], v[:, :, hk].transpose(-1, -2))
-        ds = p * (dp - delta[:, :, h, None])
+        keep, rescale = _dropout(mods, h)
+        ds = p * (dp * keep * rescale - delta[:, :, h, None])
         if capped is not None:
             ds = ds * capped
-        dv32[:, :, hk] += _fp32_matmul(p.to(q.dtype).transpose(-1, -2), dout[:, :, h])
+        dv32[:, :, hk] += _fp32_matmul((p.to(q.dtype) * keep).transpose(-1, -2), dout[:, :, h]) * rescale
         dk32[:, :, hk] += _fp32_matmul(ds.to(q.dtype).transpose(-1, -2), q[:, :, h]) * softmax_scale
         dq[:, :, h] = (_fp32_matmul(ds.to(q.dtype), k[:, :, hk]) * softmax_scale).to(q.dtype)
     return dq, dk32.to(k.dtype), dv32.to(v.dtype)
@@ -469,3 +482,17 @@ def sweep_causal(head_dim: int) -> bool:
     """One masking per head dim of the sweep, alternating (odd multiples of 8 causal), so that the
     sweep compiles one forward and one backward variant per (dtype, head dim)."""
     return head_dim % 16 == 8
+
+
+def warm_in_parallel(compile_job, jobs) -> None:
+    """`python -m tests.gpu.<module> --warm`: compile_job(job) for every job (a module-level function,
+    pickled to spawned processes), one process per CPU, then the count and the time taken."""
+    import multiprocessing
+    import os
+    import time
+    from concurrent.futures import ProcessPoolExecutor
+
+    start = time.time()
+    with ProcessPoolExecutor(os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = list(pool.map(compile_job, jobs))
+    print(f"warm: {len(done)} jobs in {time.time() - start:.0f} s")

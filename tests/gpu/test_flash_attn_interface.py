@@ -27,8 +27,10 @@ def test_unsupported_arguments_raise_before_the_kernel_runs(monkeypatch):
     calls = []
     monkeypatch.setattr(cute_flash.api, "forward", lambda *a, **kw: calls.append(a))
     q = randn(1, 64, 2, 64, dtype=torch.float16)
-    with pytest.raises(cute_flash.UnsupportedArgumentError):
-        flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(cute_flash.UnsupportedArgumentError):  # dropout is implemented, its probabilities are not
+        flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
+    with pytest.raises(cute_flash.InvalidDimensionError):
+        flash_attn_func(q, q, q, dropout_p=1.0)
     # score modifications are implemented, but a bad one stops before the kernel too
     with pytest.raises(cute_flash.DimensionMismatchError):
         flash_attn_func(q, q, q, alibi_slopes=torch.zeros(3, device="cuda", dtype=torch.float32))

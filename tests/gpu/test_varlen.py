@@ -204,14 +204,9 @@ def _compile(job):
 
 
 if __name__ == "__main__":  # python -m tests.gpu.test_varlen --warm: compile the tests' kernels in parallel
-    import multiprocessing
-    import os
     import sys
-    import time
-    from concurrent.futures import ProcessPoolExecutor
+
+    from .common import warm_in_parallel
 
     if "--warm" in sys.argv:
-        start = time.time()
-        with ProcessPoolExecutor(os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(_compile, _jobs()))
-        print(f"warm: {len(done)} jobs in {time.time() - start:.0f} s")
+        warm_in_parallel(_compile, _jobs())

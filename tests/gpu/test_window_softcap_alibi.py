@@ -1,11 +1,12 @@
 """Sliding windows, softcap and ALiBi on the GPU: forward and backward against the float64
 reference with the same window, cap and bias, within the yardstick (tests/gpu/common.py).
 
-Every kernel with a score modification is an sm80 kernel (dispatch: the Hopper kernels have none
-yet), on every GPU and under either CUTE_FLASH_KERNEL_ARCH; modifications that change nothing (a
-window wider than both sequences, a causal window unbounded on the left) run the plain kernels of
-the GPU's family. `python -m tests.gpu.test_window_softcap_alibi --warm` compiles every kernel the
-tests below run into the disk cache, several at once.
+A modified forward runs the forward of the GPU's family where that family serves the dtype and
+head dim (the Hopper forward on an H100 for fp16 / bf16 at 64, 96, 128, 192, 256; the sm80 one
+otherwise, and under CUTE_FLASH_KERNEL_ARCH=sm80); every modified backward is an sm80 kernel.
+Modifications that change nothing (a window wider than both sequences, a causal window unbounded
+on the left) run the plain kernels of the GPU's family. `python -m tests.gpu.test_window_softcap_alibi
+--warm` compiles every kernel the tests below run into the disk cache, several at once.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from cute_flash import dispatch
 from cute_flash.validate import score_mods
 
 from .common import (
-    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family, randn,
-    served_by,
+    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family,
+    families_of, kernels_used, randn, served_by,
 )
 
 pytestmark = pytest.mark.gpu
@@ -53,17 +54,17 @@ def kernel_problem(sq, sk, causal, mods):
     return kernel.causal, kernel.flags
 
 
-def families(head_dim, sq, sk, causal, mods):
-    """The kernel families of the forward and the backward: sm80 for a modification, else the plain
-    kernels' own."""
+def families(head_dim, dtype, sq, sk, causal, mods):
+    """The kernel families of the forward and the backward: with a modification the forward's own
+    (the Hopper forward serves them) and the sm80 backward, else the plain kernels' own."""
     if kernel_problem(sq, sk, causal, mods)[1] != dispatch.NO_MODS:
-        return "sm80", "sm80"
-    return expected_forward_family(head_dim), expected_backward_family(head_dim)
+        return expected_forward_family(head_dim, dtype), "sm80"
+    return expected_forward_family(head_dim, dtype), expected_backward_family(head_dim, dtype)
 
 
 def check(q, k, v, dout, causal, deterministic=False, **mods):
     """Forward and backward into NaN-poisoned outputs, on the expected kernels, against the reference."""
-    forward_family, backward_family = families(q.shape[-1], q.shape[1], k.shape[1], causal, mods)
+    forward_family, backward_family = families(q.shape[-1], q.dtype, q.shape[1], k.shape[1], causal, mods)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     with served_by(forward_family):
@@ -90,6 +91,34 @@ def test_window(config, sq, sk, window, causal):
 def test_window_2048(window):
     q, k, v, dout = inputs((torch.bfloat16, 128, 2, 1), 2048, 2048, batch=1)
     check(q, k, v, dout, False, window_size=window)
+
+
+# Past 2048 keys: the long and mid length classes (the Hopper forward's three-warp-group tiles, its
+# dynamic schedule and stale-max softmax; a window of 1024 as in the benchmark's band).
+LONG_MODS = [{"window_size": (1024, 0)}, {"window_size": (300, 77)}, {"softcap": 30.0}, {"alibi_slopes": True}]
+LONG_CONFIGS = [(torch.bfloat16, 128, 2, 1), (torch.float16, 64, 2, 2)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mods", LONG_MODS, ids=lambda m: "-".join(m))
+@pytest.mark.parametrize("config", LONG_CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}")
+def test_long_rows(config, mods, causal):
+    q, k, v, dout = inputs(config, 3000, 3100, batch=1)
+    if "alibi_slopes" in mods:
+        mods = {"alibi_slopes": slopes(1, config[2], False)}
+    check(q, k, v, dout, causal, **mods)
+
+
+# The Hopper forward's other head dims, all three modifications, a short and a long length class.
+OTHER_HEAD_DIMS = [(torch.bfloat16, 96, 2, 2), (torch.float16, 192, 2, 1), (torch.bfloat16, 256, 2, 2)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(700, 900), (2500, 2600)], ids=str)
+@pytest.mark.parametrize("config", OTHER_HEAD_DIMS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}")
+def test_other_head_dims(config, sq, sk, causal):
+    q, k, v, dout = inputs(config, sq, sk, batch=1)
+    check(q, k, v, dout, causal, window_size=(96, 33), softcap=20.0, alibi_slopes=slopes(1, config[2], True))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -129,10 +158,11 @@ def test_flash_attn_func_autograd():
     q, k, v, dout = inputs((torch.bfloat16, 128, 4, 2), 333, 444)
     mods = dict(window_size=(50, 10), softcap=30.0, alibi_slopes=slopes(2, 4, False))
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    with served_by("sm80"):
+    with kernels_used() as keys:
         out, lse, _ = cute_flash.flash_attn_func(*leaves, 0.0, None, True, (50, 10), 30.0, mods["alibi_slopes"],
                                                  False, True)
         out.backward(dout)
+    assert families_of(keys) == set(families(128, q.dtype, 333, 444, True, mods)), keys
     assert_forward_accurate(out.detach(), lse, q, k, v, True, **mods)
     assert_backward_accurate([t.grad for t in leaves], dout, q, k, v, True, **mods)
 
@@ -155,6 +185,11 @@ def _cases():
             yield config, 700, 900, causal, {"window_size": (96, 33), "softcap": 20.0, "alibi_slopes": True}, det
     for window in [(128, 128), (-1, 64), (1000, 0)]:
         yield (torch.bfloat16, 128, 2, 1), 2048, 2048, False, {"window_size": window}, False
+    for config, mods, causal in itertools.product(LONG_CONFIGS, LONG_MODS, (False, True)):
+        yield config, 3000, 3100, causal, mods, False
+    every = {"window_size": (96, 33), "softcap": 20.0, "alibi_slopes": True}
+    for config, (sq, sk), causal in itertools.product(OTHER_HEAD_DIMS, [(700, 900), (2500, 2600)], (False, True)):
+        yield config, sq, sk, causal, every, False
     for config, (sq, sk), causal in itertools.product(CONFIGS[:2], [(1, 1), (113, 203), (1000, 1000), (517, 1500)],
                                                       (False, True)):
         yield config, sq, sk, causal, {"softcap": 5.0}, False
@@ -170,8 +205,8 @@ def _jobs():
     jobs = set()
     for (dtype, head_dim, nheads, nheads_kv), sq, sk, causal, mods, det in _cases():
         kernel_causal, flags = kernel_problem(sq, sk, causal, mods)
-        # the sm80 forward (every modified call's) has one kernel for every length
-        length = dispatch.length_class(sk, kernel_causal) if flags == dispatch.NO_MODS else "long"
+        # the Hopper forward compiles per length class, modified or not (the sm80 one ignores it)
+        length = dispatch.length_class(sk, kernel_causal)
         jobs.add(("fwd", str(dtype), head_dim, kernel_causal, length, flags))
         jobs.add(("bwd", str(dtype), head_dim, kernel_causal, (det, nheads != nheads_kv), flags))
     return sorted(jobs, key=str)
@@ -193,16 +228,10 @@ def _compile(job):
     return job
 
 
-if __name__ == "__main__":
-    import multiprocessing
-    import os
+if __name__ == "__main__":  # python -m tests.gpu.test_window_softcap_alibi --warm: compile the tests' kernels in parallel
     import sys
-    import time
-    from concurrent.futures import ProcessPoolExecutor
+
+    from .common import warm_in_parallel
 
     if "--warm" in sys.argv:
-        start = time.time()
-        jobs = _jobs()
-        with ProcessPoolExecutor(os.cpu_count() or 2, mp_context=multiprocessing.get_context("spawn")) as pool:
-            done = list(pool.map(_compile, jobs))
-        print(f"warm: {len(done)} jobs in {time.time() - start:.0f} s")
+        warm_in_parallel(_compile, _jobs())
