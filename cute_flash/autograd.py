@@ -116,8 +116,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: 
         if not plain:
             raise UnsupportedArgumentError(
                 "window_size, softcap, alibi_slopes and dropout_p need cute-flash's kernels (sm_80 or newer); the "
-                "fallback "
-                "to torch's scaled_dot_product_attention on this GPU has none of them")
+                "fallback to torch's scaled_dot_product_attention on this GPU has none of them")
         return fallback.attention(q, k, v, scale, causal, deterministic, older_gpu), None
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling() or dropout_p != 0.0:

@@ -91,6 +91,10 @@ def _walk_plan(device_index: int, seqlen_q: int, seqlen_k: int, num_heads_batch:
     return torch.tensor(plan, dtype=torch.int32, device=torch.device("cuda", device_index))
 
 
+# window left, window right, softcap, ALiBi slopes (api._score_mods)
+SCORE_MOD_ARGS = 4
+
+
 def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
     """`launch(q, k, v, out, lse, softmax_scale[, *score_mods])` for a compiled FlashAttnFwdSm90 of
     `config`: plans the tail split of this call and passes its workspace (and the score
@@ -122,7 +126,10 @@ def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
                 batch, seqlen_q, heads, _ = q.shape
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
-        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0, *mods)
+        # The Hopper forward has no dropout (dispatch sends dropout calls to the sm80 forward): its
+        # call_with_mods takes the score modifications' four values, not dropout's None slots after them.
+        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0,
+                 *mods[:SCORE_MOD_ARGS])
 
     return launch
 

@@ -97,9 +97,11 @@ def test_generator_offset_advances_per_call():
     first = draw_rng_state("cuda", 2, 3)
     second = draw_rng_state("cuda", 2, 3)
     assert first.tolist() == [0, 0] and second.tolist() == [0, 8]  # 6 streams, rounded up to 4
-    q = randn(2, 64, 3, 64, dtype=torch.float16)
-    flash_attn_qkvpacked_func(torch.stack((q, q, q), dim=2), P)
-    assert torch.cuda.default_generators[torch.cuda.current_device()].get_offset() == 24  # + 8 for 2 x 3 streams
+    qkv = randn(2, 64, 3, 3, 64, dtype=torch.float16)  # drawing it advances the generator too
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = generator.get_offset()
+    flash_attn_qkvpacked_func(qkv, P)
+    assert generator.get_offset() == before + 8  # 2 x 3 streams, rounded up to 4
 
 
 def test_functional_api_takes_the_stream_explicitly():

@@ -40,5 +40,5 @@ def test_opcheck():
     q, k, v = (randn(1, 64, 2, 64, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     torch.library.opcheck(attention_forward, (q, k, v, 0.125, True))
     q, k, v = (t.detach() for t in (q, k, v))
-    out, lse = attention_forward(q, k, v, 0.125, True)
+    out, lse, _ = attention_forward(q, k, v, 0.125, True)  # the third output: the (unused) dropout state
     torch.library.opcheck(attention_backward, (torch.randn_like(out), q, k, v, out, lse, 0.125, True, True))
