@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import cutlass
@@ -321,24 +322,34 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
 
 
 DECODE_CTAS_PER_SM = 2
-"""Decode CTAs resident per SM (80 KB of shared memory each at head dim 128): the split
-heuristic aims at this many CTAs per SM."""
+"""Decode CTAs resident per SM (80 KB of shared memory each at head dim 128): one wave is this
+many CTAs on every SM."""
 
 DECODE_MIN_SPLIT_BLOCKS = 4
 """A split reads at least this many key blocks, so the merge stays small next to the reads."""
 
+DECODE_SPLIT_COST_BLOCKS = 1
+"""What a CTA costs beyond its key blocks (loading Q, writing its piece), in key-block reads."""
+
 
 def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile_n: int, num_sms: int) -> int:
     """num_splits=0: how many splits along the keys a decode call takes. One CTA per (packed row
-    block, batch, KV head) fills DECODE_CTAS_PER_SM CTAs on every SM when there are that many;
-    below that the keys are split until there are, but never into splits of fewer than
-    DECODE_MIN_SPLIT_BLOCKS key blocks, nor more than validate.MAX_SPLITS splits. `max_keys`
-    is the longest sequence the call may see (host-known: the cache's capacity, or the given length)."""
+    block, batch, KV head, split); the call's time is taken as its waves of DECODE_CTAS_PER_SM CTAs
+    per SM times one CTA's key blocks (plus DECODE_SPLIT_COST_BLOCKS), and the fewest splits with
+    the least time win: 64 CTAs on 132 SMs split 4 ways fill one wave, where 5 ways (the smallest
+    split count reaching a wave) would run a second wave for 56 CTAs. Splits keep at least
+    DECODE_MIN_SPLIT_BLOCKS key blocks and number at most validate.MAX_SPLITS. `max_keys` is the
+    longest sequence the call may see (host-known: the cache's capacity, or the given length)."""
     from .validate import MAX_SPLITS
 
-    ctas = batch * nheads_kv * m_blocks
-    target = DECODE_CTAS_PER_SM * num_sms
-    if ctas >= target:
-        return 1
     blocks = -(-max_keys // tile_n)
-    return max(1, min(-(-target // ctas), blocks // DECODE_MIN_SPLIT_BLOCKS, MAX_SPLITS))
+    most = max(1, min(blocks // DECODE_MIN_SPLIT_BLOCKS, MAX_SPLITS))
+    return _fastest_split(batch * nheads_kv * m_blocks, blocks, DECODE_CTAS_PER_SM * num_sms, most)
+
+
+@lru_cache(maxsize=1024)
+def _fastest_split(ctas: int, blocks: int, wave: int, most: int) -> int:
+    def time(splits: int) -> int:
+        return -(-ctas * splits // wave) * (-(-blocks // splits) + DECODE_SPLIT_COST_BLOCKS)
+
+    return min(range(1, most + 1), key=lambda splits: (time(splits), splits))

@@ -357,8 +357,9 @@ def kernel_support_issue(q, k, v, softmax_scale: float | None = None) -> str | N
 
 # ---- flash_attn_with_kvcache -------------------------------------------------------------------
 
-MAX_SPLITS = 128
-"""The most splits along the keys a decode call may ask for (num_splits)."""
+MAX_SPLITS = 256
+"""The most splits along the keys a decode call may ask for (num_splits): two per SM of an H100's
+132 fill it from one (batch, KV head) row block."""
 
 PAGE_MULTIPLE = 16
 """Paged caches: the page (block) size must be a positive multiple of this."""

@@ -6,13 +6,16 @@ row's attention over all keys is
     L = log(sum_s exp(L_s)),    O = sum_s exp(L_s - L) * O_s
 
 (a split that saw no key has L_s = -inf and weighs 0; a row no split saw gets O = 0, L = -inf).
-One warp per row: each lane holds 4 columns of 128, so one pass over the splits reads each
-piece once with 16-byte loads.
+One warp per row. The row's split statistics are spread over the lanes and reduced with shuffles;
+then each lane holds 4 columns of 128 and walks the splits with SPLIT_UNROLL pieces' 16-byte loads
+in flight at once: the merge waits on memory latency, not bandwidth, and with 128 splits a walk of
+one load at a time costs tens of microseconds.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 
 import cuda.bindings.driver as cuda
 
@@ -25,6 +28,7 @@ from .config import Sm80DecodeCombineConfig
 
 LANE_COLUMNS = 4
 ROWS_PER_CTA = 4  # one warp each
+SPLIT_UNROLL = 8
 
 
 class FlashDecodeCombineSm80:
@@ -63,14 +67,16 @@ class FlashDecodeCombineSm80:
             q_idx = token % seqlen_q
             batch = token // seqlen_q
             lse_max = -Float32.inf
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
                 lse_max = cute.arch.fmax(lse_max, mLSEpart[s * batch_count + batch, head, q_idx])
+            lse_max = cute.arch.warp_reduction(lse_max, cute.arch.fmax)
             # every split empty: weigh all by 0 (exp2(-inf)), not by exp2(nan)
             lse_base = Float32(0.0) if lse_max == -Float32.inf else lse_max
             total = Float32(0.0)
-            for s in cutlass.range(num_splits, unroll=1):
+            for s in cutlass.range(lane, num_splits, 32, unroll=1):
                 total += cute.math.exp2((mLSEpart[s * batch_count + batch, head, q_idx] - lse_base) * LOG2_E,
                                         fastmath=True)
+            total = cute.arch.warp_reduction(total, operator.add)
             lse = -Float32.inf
             if total > 0.0:
                 lse = lse_base + cute.math.log2(total, fastmath=True) * math.log(2.0)
@@ -82,7 +88,7 @@ class FlashDecodeCombineSm80:
                 if chunk * LANE_COLUMNS < self.head_dim:
                     acc = cute.make_rmem_tensor((LANE_COLUMNS,), Float32)
                     acc.fill(0.0)
-                    for s in cutlass.range(num_splits, unroll=1):
+                    for s in cutlass.range(num_splits, unroll=SPLIT_UNROLL):
                         piece = s * batch_count + batch
                         weight = cute.math.exp2((mLSEpart[piece, head, q_idx] - lse_scale) * LOG2_E, fastmath=True)
                         gO_s = cute.local_tile(mOpart[piece, q_idx, head, None], (LANE_COLUMNS,), (chunk,))

@@ -8,6 +8,7 @@ import cutlass
 
 from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
+from cute_flash.kernels.sm80.decode_combine import SPLIT_UNROLL
 
 # (arch, dtype, head_dim, causal, page_size): contiguous and paged (a page below, at and above the
 # 64-key tile, one not a power of two), padded head dim 96, the largest head dim.
@@ -45,7 +46,9 @@ def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     plan = dispatch.plan_decode((8, 0) if arch == "sm_80" else (9, 0), torch.bfloat16, 128, False)
     report = _compile(plan.combine, arch)
-    assert "ld.global.v4.b32" in report.ptx  # each lane's 4 columns of a piece in one load
+    # each lane's 4 columns of a piece in one load, SPLIT_UNROLL pieces per turn of the split walk
+    assert report.ptx.count("ld.global.v4.b32") >= SPLIT_UNROLL
+    assert report.ptx.count("shfl.sync.bfly") >= 10  # the split statistics' max and sum over the warp
     assert "st.global.v2.b32" in report.ptx  # and its 4 bf16 columns of O in one store
     assert "ex2.approx" in report.ptx and "lg2.approx" in report.ptx
     assert report.spill_bytes == 0
@@ -66,7 +69,9 @@ def test_page_sizes_and_split_heuristic():
     assert dispatch.decode_splits(1, 8, 1, 131072, 64, 132) == 33
     assert dispatch.decode_splits(1, 8, 1, 1024, 64, 132) == 4  # 16 blocks, at least 4 per split
     assert dispatch.decode_splits(1, 1, 1, 64, 64, 132) == 1
-    assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 128
+    assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 256  # validate.MAX_SPLITS
+    assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132) == 4  # one wave of 256 CTAs, not 320 in two
+    assert dispatch.decode_splits(64, 8, 1, 4096, 64, 132) == 1
 
 
 def test_split_block_ranges_match_brute_force():

@@ -122,7 +122,7 @@ def test_block_table_rules():
 
 def test_num_splits_and_flags():
     q, kc, vc, _, _ = inputs()
-    for bad in (-1, 129, 1.5, True):
+    for bad in (-1, 257, 1.5, True):
         expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q, kc, vc, num_splits=bad)
     expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q, kc, vc, rotary_interleaved="yes")
     expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q, kc, vc, causal=2)
