@@ -22,8 +22,9 @@ three m16n8k8 TF32 MMAs into one fp32 accumulator per pair of fragments.
     split_tf32(src, hi, lo)
         hi, lo <- the split of the fp32 fragment src (TFloat32 fragments of the same size).
 
-    gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=None, tCrA=None)
-        acc += A @ B^T, three TF32 products per k step. B (and A unless tCrA, the fp32 A fragment
+    gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=None, tCrA=None, fresh_sum=False)
+        acc += A @ B^T, three TF32 products per k step; fresh_sum sums them apart from acc first
+        (for accumulators carried across query blocks: dK, dV). B (and A unless tCrA, the fp32 A fragment
         in registers, is given) is read from smem through the MMA's own partition
         (thr_mma.partition_A / partition_B of the smem tile): 32-bit loads, conflict-free on the
         32-bit swizzle of `layouts.smem_layout_atom`.
@@ -114,13 +115,40 @@ def _load_split(tCsX_k: cute.Tensor):
 
 
 @cute.jit
+def _split_A(tCsA, tCrA, k):
+    # A from registers (tCrA: an fp32 accumulator viewed as A) or from smem
+    if cutlass.const_expr(tCrA is not None):
+        return _split_fragment(tCrA[None, None, k])
+    return _load_split(tCsA[None, None, k])
+
+
+@cute.jit
+def _mma3(tiled_mma, acc, a_hi, a_lo, b_hi, b_lo):
+    # small terms first: they are added before the large one moves the accumulator
+    cute.gemm(tiled_mma, acc, a_lo, b_hi, acc)
+    cute.gemm(tiled_mma, acc, a_hi, b_lo, acc)
+    cute.gemm(tiled_mma, acc, a_hi, b_hi, acc)
+
+
+@cute.jit
 def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tensor,
-                    tCsA: cute.Tensor | None = None, tCrA: cute.Tensor | None = None):
+                    tCsA: cute.Tensor | None = None, tCrA: cute.Tensor | None = None, fresh_sum: bool = False):
+    # The tensor cores add into their fp32 accumulator without rounding to nearest, an error that
+    # grows with every product added, one way: an accumulator carried over thousands of keys (dK,
+    # dV) drifts by ~1e-4 of its size. With fresh_sum this call's products go into a zeroed
+    # accumulator, added to acc with one rounded fp32 add each.
+    target = acc
+    if cutlass.const_expr(fresh_sum):
+        target = cute.make_fragment_like(acc)
+        target.fill(0.0)
     # B is read and split N_CHUNK atoms at a time: a whole k step of a wide B (P V at d = 256:
-    # 32 atoms, 64 values, 128 with hi and lo) would not fit next to acc_O.
+    # 32 atoms, 64 values, 128 with hi and lo) would not fit next to acc_O. The backward's dK and
+    # dV products (fresh_sum) read their whole k step: chunked, the d = 256 kernel for sm_90a
+    # spilled 32 bytes; whole, none (ptxas, 2026-11-28).
     num_n = cute.size(tCsB, mode=[1])
-    chunk = next(c for c in range(min(num_n, N_CHUNK), 0, -1) if num_n % c == 0)
-    acc_chunks = cute.logical_divide(acc, (None, None, chunk))
+    chunk = num_n if cutlass.const_expr(fresh_sum) else next(
+        c for c in range(min(num_n, N_CHUNK), 0, -1) if num_n % c == 0)
+    target_chunks = cute.logical_divide(target, (None, None, chunk))
     tCsB_chunks = cute.logical_divide(tCsB, (None, chunk, None))
     for k in cutlass.range_constexpr(cute.size(tCsB, mode=[2])):
         if cutlass.const_expr(tCrA is not None):
@@ -129,8 +157,10 @@ def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tenso
             a_hi, a_lo = _load_split(tCsA[None, None, k])
         for j in cutlass.range_constexpr(num_n // chunk):
             b_hi, b_lo = _load_split(tCsB_chunks[None, (None, j), k])
-            acc_j = acc_chunks[None, None, (None, j)]
+            acc_j = target_chunks[None, None, (None, j)]
             # small terms first: they are added before the large one moves the accumulator
             cute.gemm(tiled_mma, acc_j, a_lo, b_hi, acc_j)
             cute.gemm(tiled_mma, acc_j, a_hi, b_lo, acc_j)
             cute.gemm(tiled_mma, acc_j, a_hi, b_hi, acc_j)
+    if cutlass.const_expr(fresh_sum):
+        acc.store(acc.load() + target.load())

@@ -69,11 +69,12 @@ from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
 
 
 @cute.jit
-def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B):
+def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B, carried=False):
     """acc += A @ B with both operands streamed from smem by ldmatrix, one k-slice ahead; fp32
-    operands (s2r_A, s2r_B are MmaOperandReaders) by split TF32."""
+    operands (s2r_A, s2r_B are MmaOperandReaders) by split TF32, summed apart from acc first where
+    acc is `carried` across query blocks (dK, dV: tf32.gemm_split_tf32's fresh_sum)."""
     if cutlass.const_expr(isinstance(s2r_A, MmaOperandReader)):
-        gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=tCsA)
+        gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=tCsA, fresh_sum=carried)
         return
     tCrA_view = s2r_A.retile(tCrA)
     tCrB_view = s2r_B.retile(tCrB)
@@ -534,7 +535,7 @@ class FlashAttnBwdSm80:
 
         # dV_j += P^T dO_i
         gemm_smem(mma.tiled_mma_dkv, acc_dV, mma.tdVrPt, mma.tdVrdOt, mma.tdVsPt,
-                  mma.tdVsdOt[None, None, None, stage_do], mma.s2r_dkv_A, mma.s2r_dkv_B)
+                  mma.tdVsdOt[None, None, None, stage_do], mma.s2r_dkv_A, mma.s2r_dkv_B, carried=True)
         if cutlass.const_expr(self.num_stages_dO == 1):
             # dO's only buffer is free once every warp has finished dV.
             self.refill_single_buffer(self.load_dO_dPsum, ld, m_block, has_next, seqlen_q, tidx)
@@ -550,7 +551,7 @@ class FlashAttnBwdSm80:
 
         # dK_j += dS^T Q_i
         gemm_smem(mma.tiled_mma_dkv, acc_dK, mma.tdKrdSt, mma.tdKrQt, mma.tdKsdSt,
-                  mma.tdKsQt[None, None, None, stage_q], mma.s2r_dkv_A, mma.s2r_dkv_B)
+                  mma.tdKsQt[None, None, None, stage_q], mma.s2r_dkv_A, mma.s2r_dkv_B, carried=True)
         if cutlass.const_expr(self.num_stages_Q == 1):
             # Q's only buffer is free once every warp has finished dK.
             self.refill_single_buffer(self.load_Q_LSE, ld, m_block, has_next, seqlen_q, tidx)
