@@ -8,6 +8,7 @@ memory, an unsupported shape, a missing backward) is recorded in that cell and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
@@ -76,23 +77,28 @@ def make_inputs(cell: Cell, dtype: torch.dtype, n_sets: int, grad: bool, device:
     return sets
 
 
-def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float, mods: dict = {}):  # noqa: B006
-    """`run(i)` performs one `pass_` on input set i (with Cell.mods) and returns its fresh outputs."""
+def make_runner(fn, pass_: str, sets: list[tuple], causal: bool, scale: float, mods: dict = {},  # noqa: B006
+                scope=contextlib.nullcontext):
+    """`run(i)` performs one `pass_` on input set i (with Cell.mods) and returns its fresh outputs;
+    every call of fn and every gradient inside `scope()` (Method.scope)."""
     if pass_ == "fwd":
         def run(i):
             q, k, v, _ = sets[i]
-            with torch.no_grad():
+            with torch.no_grad(), scope():
                 return fn(q, k, v, causal, scale, **mods)
     elif pass_ == "bwd":
-        graphs = [(fn(q, k, v, causal, scale, **mods), (q, k, v), do) for q, k, v, do in sets]
+        with scope():
+            graphs = [(fn(q, k, v, causal, scale, **mods), (q, k, v), do) for q, k, v, do in sets]
 
         def run(i):
             out, inputs, do = graphs[i]
-            return torch.autograd.grad(out, inputs, do, retain_graph=True)
+            with scope():
+                return torch.autograd.grad(out, inputs, do, retain_graph=True)
     elif pass_ == "fwdbwd":
         def run(i):
             q, k, v, do = sets[i]
-            return torch.autograd.grad(fn(q, k, v, causal, scale, **mods), (q, k, v), do)
+            with scope():
+                return torch.autograd.grad(fn(q, k, v, causal, scale, **mods), (q, k, v), do)
     else:
         raise ValueError(f"unknown pass {pass_!r}")
     return run
@@ -106,7 +112,7 @@ def no_autograd_means_unsupported(status: str, pass_: str) -> str:
 
 
 def peak_of_one_call(m, pass_: str, sets: list[tuple], cell: Cell, scale: float) -> dict:
-    run = make_runner(m.fn, pass_, sets, cell.causal, scale, cell.mods())
+    run = make_runner(m.fn, pass_, sets, cell.causal, scale, cell.mods(), m.scope)
     run(0)  # warm-up: compilation and one-time workspaces are not per call
     return {"peak_bytes": harness.measure_peak_bytes(run)}
 
@@ -118,7 +124,7 @@ def time_methods(cell: Cell, pass_: str, methods, sets: list[tuple], scale: floa
     runs, measured = {}, {}
     for m in methods:
         try:
-            runs[m.name] = make_runner(m.fn, pass_, sets, cell.causal, scale, cell.mods())
+            runs[m.name] = make_runner(m.fn, pass_, sets, cell.causal, scale, cell.mods(), m.scope)
         except Exception as exc:  # noqa: BLE001 - every failure is a result to record
             measured[m.name] = {"status": harness.classify_error(exc)}
             harness.release_memory()
@@ -157,11 +163,13 @@ def method_errors(m, cell: Cell, sets: list[tuple], scale: float) -> dict:
     exact = [t.detach().double().requires_grad_(grad) for t in (q, k, v)]
     ref_out, _ = reference_attention(*exact, softmax_scale=scale, causal=cell.causal)
     inputs = [t.clone().requires_grad_(grad) for t in (q, k, v)]
-    out = m.fn(*inputs, cell.causal, scale)
+    with m.scope():
+        out = m.fn(*inputs, cell.causal, scale)
     errors = {"fwd": (out.double() - ref_out).abs().max().item()}
     if grad:
         ref_grads = torch.autograd.grad(ref_out, exact, dout.double())
-        grads = torch.autograd.grad(out, inputs, dout)
+        with m.scope():
+            grads = torch.autograd.grad(out, inputs, dout)
         errors["bwd"] = errors["fwdbwd"] = max((g.double() - r).abs().max().item() for g, r in zip(grads, ref_grads))
     return errors
 

@@ -9,6 +9,7 @@ this machine are still listed, with the reason, so a result file says what was s
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -26,6 +27,9 @@ class Method:
     description: str
     fn: Callable | None = None
     note: str = ""  # why it is unavailable, or a caveat
+    # held around every call and gradient the benchmark runs with fn: the backward is dispatched
+    # when autograd runs it, after fn has returned
+    scope: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @property
     def available(self) -> bool:
@@ -80,26 +84,27 @@ def _call_ours(flash_attn_func):
 
 
 def _ours_sm80(ours: Method) -> Method:
-    """Our sm80 kernel family on a Hopper GPU (CUTE_FLASH_KERNEL_ARCH=sm80 during the call),
-    to show what the sm90 kernels add over it."""
+    """Our sm80 kernel family on a Hopper GPU (CUTE_FLASH_KERNEL_ARCH=sm80 around the forward and
+    the backward), to show what the sm90 kernels add over it."""
     desc = "cute_flash.flash_attn_func with CUTE_FLASH_KERNEL_ARCH=sm80"
     if not ours.available:
         return Method("ours_sm80", "ours", desc, note=ours.note)
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
         return Method("ours_sm80", "ours", desc, note="unavailable: only measured on sm90, where it differs from ours")
+    return Method("ours_sm80", "ours", desc, ours.fn, scope=_forced_sm80)
 
-    def fn(q, k, v, causal, softmax_scale, **mods):
-        saved = os.environ.get(FORCE_ARCH)
-        os.environ[FORCE_ARCH] = "sm80"
-        try:
-            return ours.fn(q, k, v, causal, softmax_scale, **mods)
-        finally:
-            if saved is None:
-                del os.environ[FORCE_ARCH]
-            else:
-                os.environ[FORCE_ARCH] = saved
 
-    return Method("ours_sm80", "ours", desc, fn)
+@contextlib.contextmanager
+def _forced_sm80():
+    saved = os.environ.get(FORCE_ARCH)
+    os.environ[FORCE_ARCH] = "sm80"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[FORCE_ARCH]
+        else:
+            os.environ[FORCE_ARCH] = saved
 
 
 def _sdpa(name: str, backend_name: str, description: str) -> Method:

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
                 nheads=args.hidden // args.headdim, nheads_kv=args.hidden // args.headdim,
                 headdim=args.headdim, causal=args.causal, passes=(args.pass_,))
     sets = make_inputs(cell, DTYPES[args.dtype], 1, grad=args.pass_ != "fwd")
-    run = make_runner(method.fn, args.pass_, sets, args.causal, args.headdim ** -0.5)
+    run = make_runner(method.fn, args.pass_, sets, args.causal, args.headdim ** -0.5, scope=method.scope)
     for _ in range(args.warmup):
         run(0)
     torch.cuda.synchronize()

@@ -592,3 +592,39 @@ def test_mods_suite_counts_flops_on_the_visible_band():
     with pytest.raises(NotImplementedError) as info:
         plain_only(standard_attention)(q, q, q, False, 1.0, softcap=50.0)
     assert harness.classify_error(info.value).startswith("unsupported")
+
+
+@pytest.mark.parametrize("pass_", ["fwd", "bwd", "fwdbwd"])
+def test_runner_holds_the_method_scope_around_the_backward_too(pass_):
+    """A method's scope (ours_sm80: the forced kernel family) covers the gradient, which autograd
+    dispatches after fn returned."""
+    import contextlib
+
+    held, seen = [], []
+
+    @contextlib.contextmanager
+    def scope():
+        held.append(True)
+        try:
+            yield
+        finally:
+            held.pop()
+
+    class Recorded(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen.append(("forward", bool(held)))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(("backward", bool(held)))
+            return grad * 2
+
+    def fn(q, k, v, causal, scale):
+        return Recorded.apply(q) + k.sum() + v.sum()
+
+    sets = [tuple(torch.randn(1, 4, 1, 8, requires_grad=pass_ != "fwd") for _ in range(3)) + (torch.randn(1, 4, 1, 8),)]
+    bench.make_runner(fn, pass_, sets, False, 1.0, scope=scope)(0)
+    assert seen and all(inside for _, inside in seen)
+    assert ("backward", True) in seen or pass_ == "fwd"
