@@ -2,8 +2,8 @@
 
 A method is `fn(q, k, v, causal, softmax_scale, **mods) -> out` with q (batch, seqlen_q, nheads,
 headdim) and k, v (batch, seqlen_k, nheads_kv, headdim), like cute-flash; `mods` are a cell's
-score modifications (suites.Cell.mods: window=(left, right), softcap), which a method without them
-refuses with NotImplementedError (recorded as "unsupported"). Methods that are not importable on
+score modifications (suites.Cell.mods: window=(left, right), softcap, alibi_slopes, dropout_p),
+which a method without them refuses with NotImplementedError (recorded as "unsupported"). Methods that are not importable on
 this machine are still listed, with the reason, so a result file says what was skipped and why.
 """
 
@@ -77,8 +77,9 @@ def _ours() -> Method:
 
 
 def _call_ours(flash_attn_func):
-    def fn(q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0):
-        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap)
+    def fn(q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0):
+        return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes, dropout_p=dropout_p)
 
     return fn
 
@@ -135,7 +136,9 @@ def _fa4() -> Method:
     except Exception as exc:  # noqa: BLE001
         return Method("fa4", "peer", desc, note=f"unavailable: {type(exc).__name__}: {exc}")
 
-    def fn(q, k, v, causal, softmax_scale, window=None, softcap=0.0):
+    def fn(q, k, v, causal, softmax_scale, window=None, softcap=0.0, **others):
+        if others:  # flash_attn.cute has no ALiBi and no dropout
+            raise NotImplementedError(f"no {', '.join(others)}")
         window_size = (None, None) if window is None else tuple(None if side < 0 else side for side in window)
         out = flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                               softcap=softcap)
@@ -145,7 +148,7 @@ def _fa4() -> Method:
 
 
 def _flex() -> Method:
-    """torch's flex_attention (compiled), with the window as a block mask and softcap as a score mod."""
+    """torch's flex_attention (compiled), with the window as a block mask, softcap and ALiBi as score mods."""
     desc = "torch.nn.attention.flex_attention, torch.compile'd, block mask per window"
     try:
         import torch.nn.attention.flex_attention as flex
@@ -168,13 +171,22 @@ def _flex() -> Method:
             masks[key] = flex.create_block_mask(visible, None, None, sq, sk, device=device)
         return masks[key]
 
-    def fn(q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0):
+    def fn(q, k, v, causal, softmax_scale, window=(-1, -1), softcap=0.0, alibi_slopes=None, **others):
+        if others:  # flex_attention has no dropout
+            raise NotImplementedError(f"no {', '.join(others)}")
         mask = None if window == (-1, -1) and not causal else block_mask(causal, window, q.shape[1], k.shape[1],
                                                                          q.device)
         score_mod = None
+        if softcap and alibi_slopes is not None:
+            raise NotImplementedError("softcap with alibi_slopes")  # no suite cell has both
         if softcap:
             def score_mod(score, b, h, i, j):
                 return softcap * torch.tanh(score / softcap)
+        if alibi_slopes is not None:
+            shift = k.shape[1] - q.shape[1]  # flash-attn's alignment: bias -slope |i + sk - sq - j|
+
+            def score_mod(score, b, h, i, j):
+                return score - alibi_slopes[h] * (i + shift - j).abs()
         out = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), score_mod=score_mod,
                        block_mask=mask, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
         return out.transpose(1, 2)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
+
 PASSES = ("fwd", "bwd", "fwdbwd")
 
 # FLOPs of a pass relative to the forward pass (FlashAttention-2 paper convention):
@@ -33,6 +35,8 @@ class Cell:
     # flash-attn 2's score modifications: sliding window (left, right; -1 unbounded), softcap (0 off)
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
+    alibi: bool = False  # ALiBi with flash-attn's standard slopes (alibi_slopes)
+    dropout_p: float = 0.0
 
     def key(self) -> dict:
         d = asdict(self)
@@ -40,8 +44,9 @@ class Cell:
         # a plain cell's key stays as it was before these fields existed
         if tuple(d["window"]) == (-1, -1):
             d.pop("window")
-        if d["softcap"] == 0.0:
-            d.pop("softcap")
+        for name, off in (("softcap", 0.0), ("alibi", False), ("dropout_p", 0.0)):
+            if d[name] == off:
+                d.pop(name)
         return d
 
     def mods(self) -> dict:
@@ -51,13 +56,25 @@ class Cell:
             mods["window"] = tuple(self.window)
         if self.softcap:
             mods["softcap"] = self.softcap
+        if self.alibi:
+            mods["alibi_slopes"] = alibi_slopes(self.nheads)
+        if self.dropout_p:
+            mods["dropout_p"] = self.dropout_p
         return mods
 
     def label(self) -> str:
         c = " causal" if self.causal else ""
         w = f" window={self.window[0]},{self.window[1]}" if tuple(self.window) != (-1, -1) else ""
         cap = f" softcap={self.softcap:g}" if self.softcap else ""
-        return f"B={self.batch} S={self.seqlen_q} H={self.nheads} D={self.headdim}{c}{w}{cap}"
+        alibi = " alibi" if self.alibi else ""
+        drop = f" dropout={self.dropout_p:g}" if self.dropout_p else ""
+        return f"B={self.batch} S={self.seqlen_q} H={self.nheads} D={self.headdim}{c}{w}{cap}{alibi}{drop}"
+
+
+def alibi_slopes(nheads: int) -> torch.Tensor:
+    """ALiBi's slopes for a power-of-two head count, 2^(-8 (h + 1) / nheads), float32 on the GPU."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32,
+                        device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int]) -> int:
@@ -163,8 +180,8 @@ def fp32_suite() -> Suite:
 
 def mods_suite() -> Suite:
     """Issue 50's score modifications against the same shapes without them: a 1024-key sliding
-    window at 16k causal (TFLOP/s on the visible band) next to dense causal, and softcap 50 next to
-    no cap at paper shapes (hidden 2048, 16k tokens)."""
+    window at 16k causal (TFLOP/s on the visible band) next to dense causal, softcap 50 next to
+    no cap at paper shapes (hidden 2048, 16k tokens), ALiBi and dropout 0.1 at 8k."""
     cells = [
         Cell(1, 16384, 16384, 16, 16, 128, True, ("fwd", "bwd"), window=(1024, 0)),
         Cell(1, 16384, 16384, 16, 16, 128, True, ("fwd", "bwd")),
@@ -175,8 +192,13 @@ def mods_suite() -> Suite:
                 for softcap in (50.0, 0.0):
                     cells.append(Cell(16384 // seqlen, seqlen, seqlen, 2048 // headdim, 2048 // headdim, headdim,
                                       causal, ("fwd", "bwd"), softcap=softcap))
-    return Suite("mods", "sliding window 1024 at 16k causal vs dense causal; softcap 50 vs none at paper shapes",
-                 "bf16", cells)
+    for headdim in (64, 128):
+        for causal in (False, True):
+            for extra in (dict(alibi=True), dict(dropout_p=0.1)):
+                cells.append(Cell(2, 8192, 8192, 2048 // headdim, 2048 // headdim, headdim, causal, ("fwd", "bwd"),
+                                  **extra))
+    return Suite("mods", "sliding window 1024 at 16k causal vs dense causal; softcap 50 vs none at paper shapes; "
+                 "ALiBi and dropout 0.1 at 8k (beside the 8k cells without them)", "bf16", cells)
 
 
 def decode_suite() -> Suite:

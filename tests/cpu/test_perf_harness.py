@@ -628,3 +628,18 @@ def test_runner_holds_the_method_scope_around_the_backward_too(pass_):
     bench.make_runner(fn, pass_, sets, False, 1.0, scope=scope)(0)
     assert seen and all(inside for _, inside in seen)
     assert ("backward", True) in seen or pass_ == "fwd"
+
+
+def test_mods_suite_has_alibi_and_dropout_cells():
+    cells = get_suite("mods").cells
+    alibi = [c for c in cells if c.alibi]
+    dropout = [c for c in cells if c.dropout_p]
+    assert len(alibi) == len(dropout) == 4
+    slopes = alibi[0].mods()["alibi_slopes"]
+    assert slopes.dtype == torch.float32 and slopes.shape == (alibi[0].nheads,)
+    assert slopes[0].item() == pytest.approx(2.0 ** (-8.0 / alibi[0].nheads)) and "alibi" in alibi[0].key()
+    assert dropout[0].mods() == {"dropout_p": 0.1} and " dropout=0.1" in dropout[0].label()
+    # each has a cell without the modification at the same shape beside it
+    plain = {(c.batch, c.seqlen_q, c.headdim, c.causal) for c in cells if not c.mods()}
+    assert all((c.batch, c.seqlen_q, c.headdim, c.causal) in plain for c in alibi + dropout)
+    assert "alibi" not in cells[0].key() and "dropout_p" not in cells[0].key()
