@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from .dispatch import BackwardPlan, DecodePlan, Plan
+from .errors import UnsupportedArgumentError
 from .kernels.common.layouts import STAT_ROW_PAD, round_up
 from .kernels.sm90.config import Sm90FwdConfig
 from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_work
@@ -95,6 +96,14 @@ def _walk_plan(device_index: int, seqlen_q: int, seqlen_k: int, num_heads_batch:
 SCORE_MOD_ARGS = 4
 
 
+def _score_mods_only(mods: tuple) -> tuple:
+    """The Hopper forward's modification values: it has no dropout (dispatch sends dropout calls to
+    the sm80 forward), so the empty dropout slots api._dropout appends after them stay behind."""
+    if any(value is not None for value in mods[SCORE_MOD_ARGS:]):
+        raise UnsupportedArgumentError("the Hopper forward has no dropout; dispatch plans dropout on the sm80 forward")
+    return mods[:SCORE_MOD_ARGS]
+
+
 def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
     """`launch(q, k, v, out, lse, softmax_scale[, *score_mods])` for a compiled FlashAttnFwdSm90 of
     `config`: plans the tail split of this call and passes its workspace (and the score
@@ -126,10 +135,8 @@ def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
                 batch, seqlen_q, heads, _ = q.shape
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
-        # The Hopper forward has no dropout (dispatch sends dropout calls to the sm80 forward): its
-        # call_with_mods takes the score modifications' four values, not dropout's None slots after them.
         compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0,
-                 *mods[:SCORE_MOD_ARGS])
+                 *_score_mods_only(mods))
 
     return launch
 

@@ -174,6 +174,14 @@ def softcap_grad(acc_S: cute.Tensor) -> cute.Tensor:
     return grad
 
 
+def alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head):
+    """(batch, head)'s ALiBi slope times alibi_scale (kernel_mod_args), None for a kernel without
+    ALiBi. (nheads,) slopes arrive as one row shared by the batch."""
+    if mAlibiSlopes is None:
+        return None
+    return mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
+
+
 @cute.jit
 def apply_alibi(
     acc_S: cute.Tensor,

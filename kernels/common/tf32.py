@@ -115,22 +115,6 @@ def _load_split(tCsX_k: cute.Tensor):
 
 
 @cute.jit
-def _split_A(tCsA, tCrA, k):
-    # A from registers (tCrA: an fp32 accumulator viewed as A) or from smem
-    if cutlass.const_expr(tCrA is not None):
-        return _split_fragment(tCrA[None, None, k])
-    return _load_split(tCsA[None, None, k])
-
-
-@cute.jit
-def _mma3(tiled_mma, acc, a_hi, a_lo, b_hi, b_lo):
-    # small terms first: they are added before the large one moves the accumulator
-    cute.gemm(tiled_mma, acc, a_lo, b_hi, acc)
-    cute.gemm(tiled_mma, acc, a_hi, b_lo, acc)
-    cute.gemm(tiled_mma, acc, a_hi, b_hi, acc)
-
-
-@cute.jit
 def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tensor,
                     tCsA: cute.Tensor | None = None, tCrA: cute.Tensor | None = None, fresh_sum: bool = False):
     # The tensor cores add into their fp32 accumulator without rounding to nearest, an error that

@@ -62,7 +62,9 @@ from cute_flash.kernels.common.layouts import (
 from cute_flash.kernels.common.philox import DropoutRng, apply_dropout, dropout_dS
 from cute_flash.kernels.common.softmax import LOG2_E
 from cute_flash.kernels.common.stores import store_acc, store_acc_via_smem
-from cute_flash.kernels.common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad
+from cute_flash.kernels.common.mask import (
+    alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args, softcap_grad,
+)
 from cute_flash.kernels.common.tf32 import MmaOperandReader, gemm_split_tf32
 from cute_flash.kernels.sm80.config import BWD_NUM_THREADS, Sm80BwdConfig, bwd_smem_bytes
 from cute_flash.kernels.sm80.fwd import tiled_mma_sm80
@@ -332,9 +334,7 @@ class FlashAttnBwdSm80:
             m_block_max_mask = m_block_min
             if cutlass.const_expr(self.causal):
                 m_block_max_mask = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
-        alibi_slope = None
-        if cutlass.const_expr(self.alibi):
-            alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
+        alibi_slope = alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head)
         rng = None
         if cutlass.const_expr(self.dropout):
             rng = DropoutRng.create(*dropout_args[:3], batch * mQ.shape[2] + head)

@@ -50,7 +50,7 @@ from ..common.layouts import (
     store_tile_rows,
     transpose_view,
 )
-from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args
+from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
@@ -380,10 +380,7 @@ class FlashAttnFwdSm80:
             n_block_min = cutlass.min(n_block_min, cutlass.max(n_block_max - 1, 0))
         else:
             n_block_min, n_block_max = ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
-        alibi_slope = None
-        if cutlass.const_expr(self.alibi):
-            # (nheads,) slopes arrive as one row shared by the batch
-            alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
+        alibi_slope = alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head)
         rng = None
         if cutlass.const_expr(self.dropout):
             philox_seed, philox_offset, dropout_threshold, _ = dropout_args

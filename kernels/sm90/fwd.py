@@ -53,7 +53,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges, kv_head
 from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn
-from ..common.mask import apply_alibi, apply_mask, apply_softcap, kernel_mod_args
+from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90FwdConfig, smem_bytes
@@ -497,10 +497,7 @@ class FlashAttnFwdSm90:
             m_block, head, batch, n_block_min, n_block_max, slot = self.scheduler.unit_work(
                 unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
             )
-            alibi_slope = None
-            if const_expr(self.cfg.alibi):
-                # (nheads,) slopes arrive as one row shared by the batch
-                alibi_slope = mAlibiSlopes[cutlass.min(batch, mAlibiSlopes.shape[0] - 1), head] * alibi_scale
+            alibi_slope = alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head)
             acc_O.fill(0.0)
             softmax.reset()
             q_buffer = q_state.index // self.cfg.q_pieces  # this tile's Q stage (a piece's stage with q_by_group)

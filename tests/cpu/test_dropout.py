@@ -156,3 +156,15 @@ def test_dropout_kernels_compile_without_spills(variant):
     report = compile_report(kernel, args, arch=plan.arch)
     assert "mul.hi.u32" in report.ptx  # the Philox rounds
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+
+
+def test_hopper_forward_launch_refuses_dropout_values():
+    """The Hopper forward takes the four score-modification values only: dropout's empty slots stay
+    behind, and a dropout value reaching it is refused, not dropped."""
+    from cute_flash.errors import UnsupportedArgumentError
+    from cute_flash.launchers import _score_mods_only
+
+    assert _score_mods_only((10, 0, None, None) + (None,) * 4) == (10, 0, None, None)
+    assert _score_mods_only(()) == ()
+    with pytest.raises(UnsupportedArgumentError, match="no dropout"):
+        _score_mods_only((10, 0, None, None, 7, 0, 123, 1.25))
