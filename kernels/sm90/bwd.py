@@ -15,8 +15,8 @@ query blocks of every query head that reads this KV head (GQA sums in place, no 
       P^T  = exp2(S^T * scale * log2(e) - LSE)       causal mask on diagonal blocks only
       dS^T = P^T * (dP^T - D)
       dV  += P^T dO              wgmma, P^T straight from registers
-      dK  += dS^T Q              wgmma, dS^T straight from registers
       dQ   = dS K                wgmma, dS from smem (both groups' keys), handed to warp 1
+      dK  += dS^T Q              wgmma, dS^T straight from registers, while dQ is handed over
   Computing S and dP transposed makes P^T and dS^T land in the register layout of the dV and dK
   GEMMs' A operand, so neither goes through shared memory for them.
 * Epilogue: dK (times the softmax scale) and dV are converted, staged in K's and V's smem and
@@ -420,18 +420,19 @@ class FlashAttnBwdSm90:
         # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.
         cute.autovec_copy(cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout),
                           c.thr_SdP.partition_C(c.sdSt[None, None, stage]))
-        gemm(c.tiled_mma_dKV, c.acc_dK, c.tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=DS_READY_BARRIER, number_of_threads=cfg.num_mma_threads)
+        # dQ before dK: dQ's copy into the staging buffer then runs while the dK GEMM does.
         gemm(c.tiled_mma_dQ, c.acc_dQ, c.tdQrdS[None, None, None, stage], c.tdQrK[None, None, None, 0], zero_init=True)
-        warpgroup.wait_group(1)  # dV and dK are done with this stage's Q and dO
-        c.pipeline_q.consumer_release(q_state)
+        gemm(c.tiled_mma_dKV, c.acc_dK, c.tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
+        warpgroup.wait_group(1)  # dV (the last reader of dO) and dQ are done
         c.pipeline_do.consumer_release(q_state)
-        warpgroup.wait_group(0)
         cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
         cute.autovec_copy(cute.make_tensor(c.acc_dQ.iterator, cute.make_layout(c.tdQsdQ.shape)), c.tdQsdQ)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
+        warpgroup.wait_group(0)  # dK is done with this stage's Q
+        c.pipeline_q.consumer_release(q_state)
 
     @cute.jit
     def mask_causal(self, c: SimpleNamespace, acc_S_mn: cute.Tensor, m_block: Int32):
