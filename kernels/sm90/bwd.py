@@ -11,7 +11,7 @@ query blocks of every query head that reads this KV head (GQA sums in place, no 
   `deterministic` it first waits for the key blocks before it (a semaphore per query block).
 * Warp groups 1 and 2 compute; each owns 64 of the keys. Per query block, in this order:
       S^T  = K Q^T               wgmma, both operands in smem (keys are the rows: "transposed")
-      dP^T = V dO^T              wgmma
+      dP^T = V dO^T              wgmma (with 128-row query blocks accumulating onto -D)
       P^T  = exp2(S^T * scale * log2(e) - LSE)       causal mask on diagonal blocks only
       dS^T = P^T * (dP^T - D)
       dV  += P^T dO              wgmma, P^T straight from registers
@@ -393,26 +393,38 @@ class FlashAttnBwdSm90:
         stage = q_state.index
         c.pipeline_q.consumer_wait(q_state)
         gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage], zero_init=True)
+        lse_shares = self.stat_shares(c, c.sLSE, stage)
         c.pipeline_do.consumer_wait(q_state)
-        gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage], zero_init=True)
+        acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
+        if const_expr(cfg.shared_stats):
+            # dP^T - D in one go: the GEMM accumulates onto -D, so no D is held while dS is formed.
+            for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                minus_dpsum = -c.sdPsum[c.tScS[0, j][1], stage]
+                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                    acc_dP_mn[r, j] = minus_dpsum
+        gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage],
+             zero_init=not cfg.shared_stats)
 
         warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         acc_S_mn = reshape_acc_to_mn(c.acc_S)
         if const_expr(cfg.causal):
             if on_diagonal:
                 self.mask_causal(c, acc_S_mn, m_block)
-        # Columns are queries: each column's LSE and D are read from smem where they are used.
+        # Columns are queries: each column's LSE is read from smem (or its sharing lane) where used.
         for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            lse = c.sLSE[c.tScS[0, j][1], stage]
+            lse = self.column_stat(c, c.sLSE, lse_shares, stage, j)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, j] = cute.math.exp2(acc_S_mn[r, j] * c.scale_log2 - lse, fastmath=True)
 
         warpgroup.wait_group(0)  # dP^T is ready
-        acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
         for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-            dpsum = c.sdPsum[c.tScS[0, j][1], stage]
-            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+            if const_expr(cfg.shared_stats):
+                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                    acc_dP_mn[r, j] = acc_S_mn[r, j] * acc_dP_mn[r, j]
+            else:
+                dpsum = c.sdPsum[c.tScS[0, j][1], stage]
+                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                    acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
         # P's 16-bit copy only now: the fp32 P and its copy are never live together.
         convert_f32_to_16bit(c.acc_S, c.tdVrP)
         gemm(c.tiled_mma_dKV, c.acc_dV, c.tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
@@ -433,6 +445,36 @@ class FlashAttnBwdSm90:
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
         warpgroup.wait_group(0)  # dK is done with this stage's Q
         c.pipeline_q.consumer_release(q_state)
+
+    # A thread's accumulator columns (queries) are 8 * (j // 2) + j % 2 plus 2 * (lane % 4): the
+    # eight lanes with the same lane % 4 need the same per-query statistics. With 64-row query
+    # blocks each lane reads its 16 LSE values from smem where they are used. With 128 rows
+    # (`shared_stats`) ptxas hoists all 32 of those loads and spills; instead each of the eight
+    # lanes loads 4, just after the S GEMM is issued, and the others take them by shuffle.
+
+    @cute.jit
+    def stat_shares(self, c: SimpleNamespace, sStat: cute.Tensor, stage):
+        """This lane's share of a statistic's values (None where each lane reads its own)."""
+        shares = None
+        if const_expr(self.cfg.shared_stats):
+            columns = cute.size(c.tScS, mode=[1])
+            assert [c.t0ScS[0, j][1] for j in range(columns)] == [8 * (j // 2) + j % 2 for j in range(columns)]
+            per_lane = columns // 8
+            lane = cute.arch.lane_idx()
+            first = 4 * per_lane * (lane // 4) + c.tScS[0, 0][1]
+            shares = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
+            for t in cutlass.range_constexpr(per_lane):
+                shares[t] = sStat[first + c.t0ScS[0, t][1], stage]
+        return shares
+
+    @cute.jit
+    def column_stat(self, c: SimpleNamespace, sStat: cute.Tensor, shares, stage, j: cutlass.Constexpr):
+        """The statistic of this thread's accumulator column j."""
+        if const_expr(shares is None):
+            return sStat[c.tScS[0, j][1], stage]
+        per_lane = cute.size(shares)
+        owner = 4 * (j // per_lane) + cute.arch.lane_idx() % 4
+        return cute.arch.shuffle_sync(shares[j % per_lane], owner)
 
     @cute.jit
     def mask_causal(self, c: SimpleNamespace, acc_S_mn: cute.Tensor, m_block: Int32):

@@ -48,6 +48,9 @@ def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, c
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "mbarrier.try_wait" in ptx
     assert ("ld.acquire" in ptx) == deterministic  # the ordered dQ semaphore
+    # 128-row blocks take 32 LSE values per query block by shuffle (4 other shuffles in every variant).
+    assert (ptx.count("shfl.sync.idx") >= 32) == cfg.shared_stats
+    assert cfg.shared_stats == (head_dim == 64 and not causal)  # where 128-row blocks fit the registers
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 
