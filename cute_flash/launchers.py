@@ -97,10 +97,10 @@ SCORE_MOD_ARGS = 4
 
 
 def _score_mods_only(mods: tuple) -> tuple:
-    """The Hopper forward's modification values: it has no dropout (dispatch sends dropout calls to
-    the sm80 forward), so the empty dropout slots api._dropout appends after them stay behind."""
+    """The Hopper kernels' modification values: they have no dropout (dispatch sends dropout calls
+    to the sm80 kernels), so the empty dropout slots api._dropout appends after them stay behind."""
     if any(value is not None for value in mods[SCORE_MOD_ARGS:]):
-        raise UnsupportedArgumentError("the Hopper forward has no dropout; dispatch plans dropout on the sm80 forward")
+        raise UnsupportedArgumentError("the Hopper kernels have no dropout; dispatch plans dropout on the sm80 kernels")
     return mods[:SCORE_MOD_ARGS]
 
 
@@ -156,6 +156,8 @@ def backward_launcher(plan: BackwardPlan) -> Callable:
     pre, main, post = (p.compiled() for p in (plan.pre, plan.main, plan.post))
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, *mods):
+        if not plan.takes_dropout:
+            mods = _score_mods_only(mods)
         _backward_sm80(pre, main, post, plan, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mods)
 
     return launch

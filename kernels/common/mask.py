@@ -36,7 +36,8 @@ Call it only on boundary blocks (see blocks.py); interior blocks need no mask at
         softcap_pre, mAlibiSlopes with alibi_scale = -1 / score_scale; with dropout philox_seed,
         philox_offset, dropout_threshold, dropout_scale from dropout_args, kernels/common/philox.py).
 
-    apply_alibi(acc_S, thr_mma, tile_m, tile_n, m_block, n_block, seqlen_q, seqlen_k, slope)
+    apply_alibi(acc_S, thr_mma, tile_m, tile_n, m_block, n_block, seqlen_q, seqlen_k, slope,
+                transposed: Constexpr[bool] = False)
         acc_S += slope * |i + seqlen_k - seqlen_q - j| (slope = -alibi_slope / the softmax's scale,
         so the bias is -alibi_slope * |...| once scaled), on every score of a visible block.
 Column indices are compared against thread 0's compile-time coordinates shifted by this thread's
@@ -193,13 +194,17 @@ def apply_alibi(
     seqlen_q: Int32,
     seqlen_k: Int32,
     slope: Float32,
+    transposed: cutlass.Constexpr[bool] = False,
 ) -> None:
     acc_S_mn = reshape_acc_to_mn(acc_S)
-    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, (tile_m, tile_n))
-    # i + seqlen_k - seqlen_q - j = shift + (compile-time row - column of thread 0's element)
+    tile = (tile_m, tile_n) if cutlass.const_expr(not transposed) else (tile_n, tile_m)
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, tile)
+    Q = 0 if cutlass.const_expr(not transposed) else 1  # coordinate holding the query index
+    K = 1 - Q
+    # i + seqlen_k - seqlen_q - j = shift + (compile-time query - key of thread 0's element)
     # (exact in float32 below 2^24)
-    shift = Float32((tScS_mn[0][0] + m_block * tile_m + seqlen_k - seqlen_q) - (tScS_mn[0][1] + n_block * tile_n))
+    shift = Float32((tScS_mn[0][Q] + m_block * tile_m + seqlen_k - seqlen_q) - (tScS_mn[0][K] + n_block * tile_n))
     for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            distance = shift + float(t0ScS_mn[r, c][0] - t0ScS_mn[r, c][1])
+            distance = shift + float(t0ScS_mn[r, c][Q] - t0ScS_mn[r, c][K])
             acc_S_mn[r, c] = acc_S_mn[r, c] + slope * cutlass.max(distance, -distance)

@@ -46,6 +46,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
 from ..common.layouts import reshape_acc_to_mn, transpose_view
+from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E
 from ..common.stores import stage_acc_in_smem
@@ -110,6 +111,37 @@ class FlashAttnBwdSm90:
         mLSElog2, mdPsum (batch, heads, rows padded) from the preprocess; mdQaccum (batch, heads,
         m_blocks * m_block_size * head_dim) fp32 zeros; mdK, mdV (batch, seqlen_k, heads_kv, d) in
         the input dtype; mdQsemaphore (batch, heads, m_blocks) int32 zeros when deterministic."""
+        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+                    None, None, None, None, stream)
+
+    @cute.jit
+    def call_with_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        softmax_scale: Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """A kernel with a window or ALiBi (config.window / config.alibi): their values as the
+        forward's `call_with_mods` takes them (softcap stays None: dispatch plans it on sm80)."""
+        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+                    window_left, window_right, softcap, mAlibiSlopes, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale: Float32,
+               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch); row statistics -> (rows, heads, batch).
@@ -168,11 +200,14 @@ class FlashAttnBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], n), mK.shape[2], mK.shape[3])
+        _, mods = kernel_mod_args(cfg.window, False, cfg.alibi, softmax_scale, window_left, window_right, softcap,
+                                  mAlibiSlopes)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
             mdQaccum, mdQsemaphore, softmax_scale, softmax_scale * Float32(LOG2_E),
             tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, sQ_layout, sK_layout, sdS_layout, stat_layout, SharedStorage,
+            **mods,
         ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -186,6 +221,8 @@ class FlashAttnBwdSm90:
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dKV: cute.TiledMma, tiled_mma_dQ: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         stat_layout: cute.Layout, SharedStorage: cutlass.Constexpr,
+        window_left: Int32 | None = None, window_right: Int32 | None = None,
+        mAlibiSlopes: cute.Tensor | None = None, alibi_scale: Float32 | None = None,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -223,7 +260,9 @@ class FlashAttnBwdSm90:
             sdPsum=storage.sdPsum.get_tensor(stat_layout),
             sdQ=storage.sdQ.get_tensor(cute.make_layout(cfg.m_block_size * cfg.head_dim)),
         )
-        walk = self.query_walk(n_block, head_kv, mQ.shape[0], mK.shape[0], mQ.shape[2], mK.shape[2])
+        window = (window_left, window_right) if const_expr(cfg.window) else None
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        walk = self.query_walk(n_block, head_kv, seqlen_q, seqlen_k, mQ.shape[2], mK.shape[2], window)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.register_split[0])
@@ -232,27 +271,34 @@ class FlashAttnBwdSm90:
                               tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do,
                               walk, n_block, head_kv, batch)
             if warp_idx == 1:
-                self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch)
+                self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch, seqlen_q, seqlen_k, window)
         else:
             cute.arch.setmaxregister_increase(cfg.register_split[1])
             self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
                           tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch,
-                          mQ.shape[0], mK.shape[0], softmax_scale, softmax_scale_log2, tidx - 128)
+                          seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
+                          mAlibiSlopes, alibi_scale)
 
     @cute.jit
     def query_walk(self, n_block: Int32, head_kv: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
-                   num_heads_kv: Int32) -> SimpleNamespace:
+                   num_heads_kv: Int32, window) -> SimpleNamespace:
         """The query blocks this CTA visits: for each query head of its KV head, the blocks
-        [m_block_min, m_block_max) that see one of its keys. Step i is (head, m_block) = step(i)."""
+        [m_block_min, m_block_max) that see one of its keys. Step i is (head, m_block) = step(i).
+        Blocks below mask_end (the causal diagonal's, or those crossing a window's right edge) and
+        from mask_start (crossing its left edge) need a mask."""
         ranges = BlockRanges(self.cfg.m_block_size, self.cfg.n_block_size, self.cfg.causal)
-        m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
+        if const_expr(window is not None):
+            m_block_min, m_block_max = ranges.m_block_min_max_window(n_block, seqlen_q, seqlen_k, *window)
+            mask_end, mask_start = ranges.m_block_window_masks(n_block, seqlen_q, seqlen_k, *window)
+        else:
+            m_block_min, m_block_max = ranges.m_block_min_max(n_block, seqlen_q, seqlen_k)
+            mask_end, mask_start = m_block_min, m_block_max
+            if const_expr(self.cfg.causal):
+                mask_end = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
         blocks = cutlass.max(m_block_max - m_block_min, 0)
         group = num_heads // num_heads_kv
-        mask_end = m_block_min
-        if const_expr(self.cfg.causal):
-            mask_end = ranges.m_block_max_causal_mask(n_block, seqlen_q, seqlen_k, m_block_min)
         return SimpleNamespace(m_block_min=m_block_min, blocks=blocks, steps=group * blocks,
-                               first_head=head_kv * group, mask_end=mask_end)
+                               first_head=head_kv * group, mask_end=mask_end, mask_start=mask_start)
 
     @cute.jit
     def step(self, walk: SimpleNamespace, i: Int32):
@@ -301,11 +347,11 @@ class FlashAttnBwdSm90:
                                      cute.group_modes(gX, 0, rank))
 
     @cute.jit
-    def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch):
+    def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch, seqlen_q, seqlen_k, window):
         """Warp 1: each query block's dQ, staged in smem by the MMA warp groups, added to its fp32
         sums in global memory with one bulk reduce. With `deterministic` the key blocks of a query
-        block add in n_block order: wait for the semaphore to reach n_block, add, wait until the
-        add has landed, pass the turn on."""
+        block add in n_block order: wait for the semaphore to reach n_block (counted from the
+        window's first key block), add, wait until the add has landed, pass the turn on."""
         cfg = self.cfg
         tile_elems = cfg.m_block_size * cfg.head_dim
         sync_threads = cfg.num_mma_threads + 32
@@ -317,8 +363,13 @@ class FlashAttnBwdSm90:
             cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=sync_threads)
             if const_expr(cfg.deterministic):
                 lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
+                turn = n_block
+                if const_expr(window is not None):
+                    ranges = BlockRanges(cfg.m_block_size, cfg.n_block_size, cfg.causal)
+                    n_block_min, _ = ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
+                    turn = n_block - n_block_min
                 if lane == 0:
-                    while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != n_block:
+                    while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != turn:
                         pass
             cute.arch.barrier(barrier_id=DQ_FULL_BARRIER, number_of_threads=sync_threads)
             if lane == 0:
@@ -338,7 +389,7 @@ class FlashAttnBwdSm90:
     @cute.jit
     def consumer(self, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
                  tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, seqlen_q, seqlen_k,
-                 softmax_scale, softmax_scale_log2, tidx):
+                 softmax_scale, softmax_scale_log2, tidx, window, mAlibiSlopes, alibi_scale):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -371,7 +422,9 @@ class FlashAttnBwdSm90:
             acc_dQ=thr_dQ.make_fragment_C(thr_dQ.partition_shape_C((m, d))),
             tdQsdQ=dq_staging_view(s.sdQ, cfg.num_mma_threads, tidx),
             pipeline_q=pipeline_q, pipeline_do=pipeline_do, sLSE=s.sLSE, sdPsum=s.sdPsum,
-            n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale_log2=softmax_scale_log2,
+            n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale_log2=softmax_scale_log2, window=window,
+            # ALiBi's slope of this step's query head (GQA: the heads of a walk differ)
+            mAlibiSlopes=mAlibiSlopes, alibi_scale=alibi_scale, batch=batch,
         )
         c.acc_dV.fill(0.0)
         c.acc_dK.fill(0.0)
@@ -380,14 +433,17 @@ class FlashAttnBwdSm90:
         pipeline_kv.consumer_wait(kv_state)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.q_stages)
         for i in cutlass.range(walk.steps, unroll=1):
-            _, m_block = self.step(walk, i)
-            self.one_block(c, q_state, m_block, m_block < walk.mask_end)
+            head, m_block = self.step(walk, i)
+            needs_mask = m_block < walk.mask_end
+            if const_expr(cfg.window):
+                needs_mask = needs_mask | (m_block >= walk.mask_start)
+            self.one_block(c, q_state, head, m_block, needs_mask)
             q_state.advance()
 
         self.store_dKV(c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, batch, softmax_scale, tidx)
 
     @cute.jit
-    def one_block(self, c: SimpleNamespace, q_state, m_block: Int32, on_diagonal):
+    def one_block(self, c: SimpleNamespace, q_state, head: Int32, m_block: Int32, needs_mask):
         """Algorithm 2's inner loop body for one query block (see the module docstring)."""
         cfg = self.cfg
         stage = q_state.index
@@ -407,9 +463,18 @@ class FlashAttnBwdSm90:
 
         warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         acc_S_mn = reshape_acc_to_mn(c.acc_S)
+        if const_expr(cfg.alibi):
+            slope = alibi_head_slope(c.mAlibiSlopes, c.alibi_scale, c.batch, head)
+            apply_alibi(c.acc_S, c.thr_SdP, cfg.m_block_size, cfg.n_block_size, m_block, c.n_block, c.seqlen_q,
+                        c.seqlen_k, slope, transposed=True)
         if const_expr(cfg.causal):
-            if on_diagonal:
+            if needs_mask:
                 self.mask_causal(c, acc_S_mn, m_block)
+        if const_expr(cfg.window):
+            if needs_mask:
+                apply_mask(c.acc_S, c.thr_SdP, cfg.m_block_size, cfg.n_block_size, m_block, c.n_block, c.seqlen_q,
+                           c.seqlen_k, mask_seqlen=False, mask_causal=False, transposed=True, branchless=False,
+                           window=c.window)
         # Columns are queries: each column's LSE is read from smem (or its sharing lane) where used.
         for j in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
             lse = self.column_stat(c, c.sLSE, lse_shares, stage, j)

@@ -19,9 +19,9 @@ ARCH = "sm_90a"
 TORCH_DTYPES = {cutlass.BFloat16: torch.bfloat16, cutlass.Float16: torch.float16}
 
 
-def backward_plan(dtype, head_dim, causal, deterministic=False, gqa=False):
+def backward_plan(dtype, head_dim, causal, deterministic=False, gqa=False, mods=dispatch.NO_MODS):
     return dispatch.plan_backward(capability_of(ARCH), TORCH_DTYPES[dtype], head_dim, causal, deterministic, gqa,
-                                  family="sm90")
+                                  family="sm90", mods=mods)
 
 
 # Every (head dim, causal, deterministic) the Hopper backward serves, each dtype at least once.
@@ -84,3 +84,34 @@ def test_configurations_fit_and_key_only_what_changes_code():
     assert key != backward_plan(cutlass.BFloat16, 128, True, deterministic=True).main.key
     assert key != backward_plan(cutlass.BFloat16, 128, False).main.key
     assert key != backward_plan(cutlass.Float16, 128, True).main.key
+
+
+# Sliding windows (causal ones come as right = 0 with causal=False) and ALiBi, each head dim, the
+# deterministic order with a window (its turns count from the window's first key block).
+MOD_VARIANTS = [  # (dtype, head_dim, causal, deterministic, (window, softcap, alibi))
+    (cutlass.BFloat16, 128, False, False, (True, False, False)),
+    (cutlass.Float16, 64, False, True, (True, False, False)),
+    (cutlass.BFloat16, 128, False, True, (True, False, True)),
+    (cutlass.BFloat16, 64, True, False, (False, False, True)),
+    (cutlass.Float16, 128, False, False, (False, False, True)),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal,deterministic,mods", MOD_VARIANTS, ids=str)
+def test_window_and_alibi_variants_compile_without_spills(dtype, head_dim, causal, deterministic, mods, capsys):
+    plan = backward_plan(dtype, head_dim, causal, deterministic, mods=mods)
+    cfg = plan.main.config
+    assert plan.main.kernel_cls is FlashAttnBwdSm90 and plan.main.entry == "call_with_mods"
+    assert (cfg.window, cfg.alibi) == (mods[0], mods[2]) and cfg.m_block_size == 64
+    with capsys.disabled():
+        report = compile_report(*plan.main.build(), arch=ARCH)
+    assert report.ptx.count("wgmma.mma_async") == 2 * head_dim // 16 + 2 * cfg.m_block_size // 16 + cfg.n_block_size // 16
+    assert ("ld.acquire" in report.ptx) == deterministic
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
+
+
+@pytest.mark.parametrize("mods,causal,head_dim", [((False, True, False), False, 64), ((False, False, True), True, 128)],
+                         ids=["softcap", "causal-alibi-hd128"])
+def test_softcap_and_causal_alibi_at_128_stay_on_the_sm80_backward(mods, causal, head_dim):
+    """softcap is not implemented in the Hopper backward; causal ALiBi at hd 128 spills there."""
+    assert backward_plan(cutlass.BFloat16, head_dim, causal, mods=mods).main.kernel_cls is not FlashAttnBwdSm90

@@ -3,7 +3,9 @@ reference with the same window, cap and bias, within the yardstick (tests/gpu/co
 
 A modified forward runs the forward of the GPU's family where that family serves the dtype and
 head dim (the Hopper forward on an H100 for fp16 / bf16 at 64, 96, 128, 192, 256; the sm80 one
-otherwise, and under CUTE_FLASH_KERNEL_ARCH=sm80); every modified backward is an sm80 kernel.
+otherwise, and under CUTE_FLASH_KERNEL_ARCH=sm80). A modified backward runs the Hopper backward
+for fp16 / bf16 at 64 and 128 with a window and / or ALiBi (not causal ALiBi at 128), the sm80
+one otherwise (softcap, other head dims, other GPUs).
 Modifications that change nothing (a window wider than both sequences, a causal window unbounded
 on the left) run the plain kernels of the GPU's family. `python -m tests.gpu.test_window_softcap_alibi
 --warm` compiles every kernel the tests below run into the disk cache, several at once.
@@ -56,10 +58,14 @@ def kernel_problem(sq, sk, causal, mods):
 
 def families(head_dim, dtype, sq, sk, causal, mods):
     """The kernel families of the forward and the backward: with a modification the forward's own
-    (the Hopper forward serves them) and the sm80 backward, else the plain kernels' own."""
-    if kernel_problem(sq, sk, causal, mods)[1] != dispatch.NO_MODS:
-        return expected_forward_family(head_dim, dtype), "sm80"
-    return expected_forward_family(head_dim, dtype), expected_backward_family(head_dim, dtype)
+    (the Hopper forward serves them) and the backward's own where it has the modification (the
+    Hopper backward: window and ALiBi, but not causal ALiBi at head dim 128), else sm80; without
+    one the plain kernels' own."""
+    kernel_causal, (window, softcap, alibi) = kernel_problem(sq, sk, causal, mods)
+    backward_family = expected_backward_family(head_dim, dtype)
+    if softcap or (alibi and kernel_causal and head_dim > 64):
+        backward_family = "sm80"
+    return expected_forward_family(head_dim, dtype), backward_family
 
 
 def check(q, k, v, dout, causal, deterministic=False, **mods):
@@ -153,6 +159,21 @@ def test_all_three(config, causal, deterministic):
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
 
 
+@pytest.mark.parametrize("mods", [{"window_size": (96, 33)}, {"window_size": (300, 0), "alibi_slopes": True}],
+                         ids=lambda m: "-".join(m))
+@pytest.mark.parametrize("config", [(torch.float16, 64, 4, 2), (torch.bfloat16, 128, 4, 1)],
+                         ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}")
+def test_deterministic_window_without_softcap(config, mods):
+    """Without softcap the Hopper backward serves windows on an H100: its dQ turns count from the
+    window's first key block, so a query block's adds come in order and repeat bit for bit."""
+    q, k, v, dout = inputs(config, 900, 1300)
+    if "alibi_slopes" in mods:
+        mods = dict(mods, alibi_slopes=slopes(2, config[2], True))
+    _, grads = check(q, k, v, dout, False, True, **mods)
+    _, again = check(q, k, v, dout, False, True, **mods)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
 def test_flash_attn_func_autograd():
     """The custom ops carry the modifications to both passes (torch.autograd, the flash-attn signature)."""
     q, k, v, dout = inputs((torch.bfloat16, 128, 4, 2), 333, 444)
@@ -199,6 +220,9 @@ def _cases():
     every = {"window_size": (50, 10), "softcap": 30.0, "alibi_slopes": True}
     yield (torch.bfloat16, 128, 4, 2), 333, 444, True, every, False
     yield (torch.float16, 64, 4, 4), 200, 300, False, dict(every, window_size=(40, 40)), False
+    for config in [(torch.float16, 64, 4, 2), (torch.bfloat16, 128, 4, 1)]:
+        yield config, 900, 1300, False, {"window_size": (96, 33)}, True
+        yield config, 900, 1300, False, {"window_size": (300, 0), "alibi_slopes": True}, True
 
 
 def _jobs():
