@@ -186,6 +186,11 @@ def forward_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int
     if head_dim not in HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
     settings = _tiles(head_dim, causal) | _length_settings(dtype, head_dim, causal, length, num_sms)
+    if settings["tile_m"] == 192 and ((mods.get("alibi") and causal) or (mods.get("softcap") and head_dim <= 64)):
+        # Three consumer warp groups leave 128 registers per thread: causal ALiBi (hd 96, 128) and
+        # softcap at hd 64 spill there (56-192 bytes, 2026-11-28 compile reports); two groups of
+        # 128-row tiles do not.
+        settings.update(tile_m=128, tile_n=128)
     return Sm90FwdConfig.create(dtype, head_dim, causal, **settings, **mods)
 
 

@@ -68,7 +68,16 @@ SM90_VARIANTS = [
     ((True, True, False), torch.bfloat16, 96, False, "short_2k"),
     ((False, True, False), torch.float16, 128, True, "short"),
     ((True, False, True), torch.bfloat16, 128, False, "short_512"),
+    # three-group classes that causal ALiBi / softcap at hd 64 move to 128-row tiles (they spill on 192)
+    ((False, False, True), torch.bfloat16, 128, True, "long"),
+    ((False, False, True), torch.float16, 96, True, "short_2k"),
+    ((False, True, False), torch.bfloat16, 64, False, "long"),
+    ((False, True, True), torch.float16, 64, True, "mid"),
 ]
+
+
+def _leaves_three_groups(mods, head_dim, causal) -> bool:
+    return (mods[2] and causal) or (mods[1] and head_dim <= 64)
 
 
 def _sm90_id(v):
@@ -83,9 +92,14 @@ def test_hopper_forward_with_modifications_compiles_to_wgmma_without_spills(vari
     assert plan.family == "sm90" and plan.entry == "call_with_mods"
     config = plan.config
     assert (config.window, config.softcap, config.alibi) == mods
-    # The class's own settings, with the switches on; a window walks no causal order and splits no tail.
+    # The class's own settings with the switches on (128-row tiles where three groups would spill);
+    # a window walks no causal order and splits no tail.
     plain = dispatch.plan_forward((9, 0), dtype, head_dim, causal, length, num_sms=132).config
-    assert type(config)(**{**plan.settings(), "window": False, "softcap": False, "alibi": False}) == plain
+    settings = {**plan.settings(), "window": False, "softcap": False, "alibi": False}
+    if plain.tile_m == 192 and _leaves_three_groups(mods, head_dim, causal):
+        assert config.tile_m == 128 and config.tile_n == 128
+        settings.update(tile_m=plain.tile_m, tile_n=plain.tile_n)
+    assert type(config)(**settings) == plain
     if mods[0]:
         assert not config.splits_tail and config.tile_order == "none" and not config.planned_tail
     logs = []
