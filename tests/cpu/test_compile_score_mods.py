@@ -42,8 +42,8 @@ def test_modified_kernels_compile_without_spills(variant):
         # the GPU's own family: on sm_90 the Hopper forward's (head dim 72: none, so sm80)
         plan = dispatch.plan_forward(capability, dtype, head_dim, causal, num_sms=132, mods=mods)
     else:
-        plan = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, family="sm90",
-                                      mods=mods).main
+        # the GPU's own family: these (softcap, head dim 72, sm_80) are the sm80 backward's
+        plan = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods).main
     assert plan.family == "sm80" and plan.entry == "call_with_mods"
     assert (plan.config.window, plan.config.softcap, plan.config.alibi) == mods
     kernel, args = plan.build()
@@ -129,10 +129,11 @@ def test_a_causal_window_is_planned_as_a_window():
             dispatch.plan_forward(capability, torch.float16, 64, True, num_sms=132, mods=(True, False, False))
 
 
-def test_modified_calls_on_hopper_plan_the_hopper_forward_and_the_sm80_backward():
+def test_modified_calls_on_hopper_plan_the_hopper_kernels_that_have_them():
     """fp16 / bf16 at the Hopper forward's head dims: its forward for every length class (a
-    configuration it can implement); fp32, other head dims and every backward: sm80."""
-    from cute_flash.kernels.sm90.config import HEAD_DIMS, can_implement
+    configuration it can implement); the Hopper backward at its head dims without softcap; fp32,
+    other head dims and softcap backwards: sm80."""
+    from cute_flash.kernels.sm90.config import BWD_HEAD_DIMS, HEAD_DIMS, can_implement
 
     for mods in ((True, False, False), (False, True, False), (False, False, True), (True, True, True)):
         for head_dim in (64, 72, 96, 128, 160, 192, 256):
@@ -147,7 +148,8 @@ def test_modified_calls_on_hopper_plan_the_hopper_forward_and_the_sm80_backward(
                         if hopper and mods[0]:
                             assert not plan.config.splits_tail
                     backward = dispatch.plan_backward((9, 0), dtype, head_dim, False, mods=mods)
-                    assert backward.main.family == "sm80"
+                    hopper_backward = head_dim in BWD_HEAD_DIMS and dtype != torch.float32 and not mods[1]
+                    assert backward.main.family == ("sm90" if hopper_backward else "sm80")
                 # CUTE_FLASH_KERNEL_ARCH=sm80's family: sm80 forward too
                 forced = dispatch.plan_forward((9, 0), dtype, head_dim, False, "long", num_sms=132, family="sm80",
                                                mods=mods)
