@@ -191,6 +191,8 @@ def forward_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int
         # softcap at hd 64 spill there (56-192 bytes, 2026-11-28 compile reports); two groups of
         # 128-row tiles do not.
         settings.update(tile_m=128, tile_n=128)
+    if mods.get("alibi") and causal and head_dim > 192 and length == "mid":
+        settings["wg_epilogue"] = False  # with per-group O stores it spills 24 bytes (2026-11-28)
     return Sm90FwdConfig.create(dtype, head_dim, causal, **settings, **mods)
 
 

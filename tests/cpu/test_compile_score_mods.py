@@ -73,6 +73,7 @@ SM90_VARIANTS = [
     ((False, False, True), torch.float16, 96, True, "short_2k"),
     ((False, True, False), torch.bfloat16, 64, False, "long"),
     ((False, True, True), torch.float16, 64, True, "mid"),
+    ((False, False, True), torch.bfloat16, 256, True, "mid"),  # O stored by all groups together
 ]
 
 
@@ -99,6 +100,9 @@ def test_hopper_forward_with_modifications_compiles_to_wgmma_without_spills(vari
     if plain.tile_m == 192 and _leaves_three_groups(mods, head_dim, causal):
         assert config.tile_m == 128 and config.tile_n == 128
         settings.update(tile_m=plain.tile_m, tile_n=plain.tile_n)
+    if mods[2] and causal and head_dim > 192 and length == "mid":
+        assert not config.wg_epilogue  # and with it no per-group Q (create resolves it off)
+        settings.update(wg_epilogue=plain.wg_epilogue, q_by_group=plain.q_by_group)
     assert type(config)(**settings) == plain
     if mods[0]:
         assert not config.splits_tail and config.tile_order == "none" and not config.planned_tail
