@@ -483,13 +483,10 @@ class FlashAttnBwdSm90:
 
         warpgroup.wait_group(0)  # dP^T is ready
         for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-            if const_expr(cfg.shared_stats):
-                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                    acc_dP_mn[r, j] = acc_S_mn[r, j] * acc_dP_mn[r, j]
-            else:
-                dpsum = c.sdPsum[c.tScS[0, j][1], stage]
-                for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                    acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+            # with shared_stats dP^T already holds -D
+            dpsum = Float32(0.0) if const_expr(cfg.shared_stats) else c.sdPsum[c.tScS[0, j][1], stage]
+            for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
         # P's 16-bit copy only now: the fp32 P and its copy are never live together.
         convert_f32_to_16bit(c.acc_S, c.tdVrP)
         gemm(c.tiled_mma_dKV, c.acc_dV, c.tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
@@ -511,15 +508,15 @@ class FlashAttnBwdSm90:
         warpgroup.wait_group(0)  # dK is done with this stage's Q
         c.pipeline_q.consumer_release(q_state)
 
-    # A thread's accumulator columns (queries) are 8 * (j // 2) + j % 2 plus 2 * (lane % 4): the
-    # eight lanes with the same lane % 4 need the same per-query statistics. With 64-row query
-    # blocks each lane reads its 16 LSE values from smem where they are used. With 128 rows
-    # (`shared_stats`) ptxas hoists all 32 of those loads and spills; instead each of the eight
-    # lanes loads 4, just after the S GEMM is issued, and the others take them by shuffle.
-
     @cute.jit
     def stat_shares(self, c: SimpleNamespace, sStat: cute.Tensor, stage):
-        """This lane's share of a statistic's values (None where each lane reads its own)."""
+        """This lane's share of a statistic's values (None where each lane reads its own).
+
+        A thread's accumulator columns (queries) are 8 * (j // 2) + j % 2 plus 2 * (lane % 4): the
+        eight lanes with the same lane % 4 need the same per-query statistics. With 64-row query
+        blocks each lane reads its 16 LSE values from smem where they are used. With 128 rows
+        (`shared_stats`) ptxas hoists all 32 of those loads and spills; instead each of the eight
+        lanes loads 4, just after the S GEMM is issued, and the others take them by shuffle."""
         shares = None
         if const_expr(self.cfg.shared_stats):
             columns = cute.size(c.tScS, mode=[1])
