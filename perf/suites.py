@@ -201,6 +201,13 @@ def mods_suite() -> Suite:
                  "ALiBi and dropout 0.1 at 8k (beside the 8k cells without them)", "bf16", cells)
 
 
+def headdims_suite() -> Suite:
+    """The head dims outside the paper matrix that the Hopper kernels serve (96, 192): 16 heads,
+    batch 2 at 8k, causal and not."""
+    cells = [Cell(2, 8192, 8192, 16, 16, headdim, causal, PASSES) for headdim in (96, 192) for causal in (False, True)]
+    return Suite("headdims", "head dims 96 and 192 at B=2 S=8192 H=16, causal and not", "bf16", cells)
+
+
 def decode_suite() -> Suite:
     return Suite("decode", "decode against a KV cache", "bf16",
                  unavailable="KV-cache decode has its own runner: python -m cute_flash.perf decode (perf/decode.py)")
@@ -212,7 +219,7 @@ def varlen_suite() -> Suite:
 
 
 SUITES = {"paper": paper_suite, "seed": seed_suite, "quick": quick_suite, "fp32": fp32_suite, "mods": mods_suite,
-          "decode": decode_suite, "varlen": varlen_suite}
+          "headdims": headdims_suite, "decode": decode_suite, "varlen": varlen_suite}
 
 
 def get_suite(name: str) -> Suite:

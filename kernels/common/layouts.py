@@ -115,10 +115,10 @@ def smem_layout_atom(dtype: type[cutlass.Numeric], k_dim: int) -> cute.ComposedL
             cute.make_swizzle(3, 2, 3), 0, cute.make_layout((8, 32), stride=(32, 1))
         )
     assert dtype.width == 16, "smem_layout_atom takes 16- or 32-bit elements"
-    k_block = 64 if k_dim % 64 == 0 else 32
-    assert k_dim % k_block == 0, f"k_dim {k_dim} must be a multiple of 32"
+    k_block = next((width for width in (64, 32, 16) if k_dim % width == 0), None)
+    assert k_block is not None, f"k_dim {k_dim} must be a multiple of 16"
     # 16 B vectors (3 bits) are the unit; swizzle as many row bits as the row has 16 B chunks.
-    swizzle_bits = 3 if k_block == 64 else 2
+    swizzle_bits = {64: 3, 32: 2, 16: 1}[k_block]
     return cute.make_composed_layout(
         cute.make_swizzle(swizzle_bits, 3, 3),
         0,

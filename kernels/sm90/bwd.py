@@ -22,6 +22,11 @@ query blocks of every query head that reads this KV head (GQA sums in place, no 
 * Epilogue: dK (times the softmax scale) and dV are converted, staged in K's and V's smem and
   stored by TMA, which clips rows past seqlen_k.
 
+Score modifications (`call_with_mods`, as in the forward): a sliding window walks only the query
+blocks the keys see and masks its edge blocks; ALiBi adds -slope * |i - j| to S^T; with softcap
+the scores are t = tanh(s * scale / softcap), P's exponent runs at scale softcap, and dS^T picks
+up dt/ds's factor 1 - t^2 (the softmax scale itself is applied to dK and dQ as without softcap).
+
 Rows past seqlen_q need no mask: TMA fills their Q and dO with zeros and the preprocess gives
 them LSE = +inf and D = 0, so their P and dS are 0. Keys past seqlen_k are zero rows of K and V:
 they add nothing to dQ, and their dK, dV rows are never stored. The postprocess
@@ -46,7 +51,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
 from ..common.layouts import reshape_acc_to_mn, transpose_view
-from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, kernel_mod_args
+from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E
 from ..common.stores import stage_acc_in_smem
@@ -69,6 +74,22 @@ def dq_tiled_mma(config) -> cute.TiledMma:
         config.dtype, config.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
         atom_layout_mnk=atoms, tiler_mn=(64, config.head_dim // atoms[1]),
     )
+
+
+def dq_swizzle_columns(config) -> int:
+    """The dQ GEMM gives each warp group a slice of dQ's (and K's) columns, which must be a whole
+    number of swizzle atoms in the buffers it reads or fills: with d a multiple of 64 the widest
+    (128-byte, 64-column) atom does; at d = 96 a 48-column slice takes 16-column atoms."""
+    d = config.head_dim
+    return d if d % 64 == 0 else d // dq_atom_layout(config.m_block_size)[1]
+
+
+def k_smem_layout(config) -> cute.ComposedLayout:
+    """K's (and V's, dK's, dV's) (n, d) buffer, swizzled for the dQ GEMM's column slices."""
+    d = config.head_dim
+    atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, config.dtype, dq_swizzle_columns(config))
+    atom = sm90_utils.make_smem_layout_atom(atom_kind, config.dtype)
+    return cute.tile_to_shape(atom, (config.n_block_size, d, 1), order=(0, 1, 2))
 
 
 def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.Tensor:
@@ -167,7 +188,7 @@ class FlashAttnBwdSm90:
         # K-major B of S^T / dP^T and, transposed, the MN-major B of dK / dV; K (n, d) is the
         # K-major A of S^T and, transposed, the MN-major B of dQ; dS (m, n) is stored m-major.
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (m, n, d), cfg.dtype, cfg.q_stages)
-        sK_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (n, m, d), cfg.dtype, 1)
+        sK_layout = k_smem_layout(cfg)
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (m, d, n), cfg.dtype, cfg.q_stages)
         sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
         sK_tile = cute.slice_(sK_layout, (None, None, 0))
@@ -200,12 +221,13 @@ class FlashAttnBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], n), mK.shape[2], mK.shape[3])
-        _, mods = kernel_mod_args(cfg.window, False, cfg.alibi, softmax_scale, window_left, window_right, softcap,
-                                  mAlibiSlopes)
+        # P's exponent runs at scale softcap with softcap (the forward's parametrization)
+        score_scale, mods = kernel_mod_args(cfg.window, cfg.softcap, cfg.alibi, softmax_scale, window_left,
+                                            window_right, softcap, mAlibiSlopes)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
-            mdQaccum, mdQsemaphore, softmax_scale, softmax_scale * Float32(LOG2_E),
+            mdQaccum, mdQsemaphore, softmax_scale, score_scale * Float32(LOG2_E),
             tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, sQ_layout, sK_layout, sdS_layout, stat_layout, SharedStorage,
             **mods,
         ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
@@ -221,7 +243,7 @@ class FlashAttnBwdSm90:
         tiled_mma_SdP: cute.TiledMma, tiled_mma_dKV: cute.TiledMma, tiled_mma_dQ: cute.TiledMma,
         sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
         stat_layout: cute.Layout, SharedStorage: cutlass.Constexpr,
-        window_left: Int32 | None = None, window_right: Int32 | None = None,
+        window_left: Int32 | None = None, window_right: Int32 | None = None, softcap_pre: Float32 | None = None,
         mAlibiSlopes: cute.Tensor | None = None, alibi_scale: Float32 | None = None,
     ):
         cfg = self.cfg
@@ -277,7 +299,7 @@ class FlashAttnBwdSm90:
             self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
                           tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch,
                           seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
-                          mAlibiSlopes, alibi_scale)
+                          softcap_pre, mAlibiSlopes, alibi_scale)
 
     @cute.jit
     def query_walk(self, n_block: Int32, head_kv: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
@@ -389,7 +411,7 @@ class FlashAttnBwdSm90:
     @cute.jit
     def consumer(self, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
                  tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, seqlen_q, seqlen_k,
-                 softmax_scale, softmax_scale_log2, tidx, window, mAlibiSlopes, alibi_scale):
+                 softmax_scale, softmax_scale_log2, tidx, window, softcap_pre, mAlibiSlopes, alibi_scale):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -423,6 +445,7 @@ class FlashAttnBwdSm90:
             tdQsdQ=dq_staging_view(s.sdQ, cfg.num_mma_threads, tidx),
             pipeline_q=pipeline_q, pipeline_do=pipeline_do, sLSE=s.sLSE, sdPsum=s.sdPsum,
             n_block=n_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, scale_log2=softmax_scale_log2, window=window,
+            softcap_pre=softcap_pre,
             # ALiBi's slope of this step's query head (GQA: the heads of a walk differ)
             mAlibiSlopes=mAlibiSlopes, alibi_scale=alibi_scale, batch=batch,
         )
@@ -463,6 +486,12 @@ class FlashAttnBwdSm90:
 
         warpgroup.wait_group(1)  # S^T is ready; dP^T may still run
         acc_S_mn = reshape_acc_to_mn(c.acc_S)
+        if const_expr(cfg.softcap):
+            # scores t = tanh(s * scale / softcap); dS's factor 1 - t^2 is taken before masks and
+            # bias change t, and held in fp16 (half the registers; relative error 2^-11 on [0, 1]).
+            apply_softcap(c.acc_S, c.softcap_pre)
+            dtanh = cute.make_rmem_tensor_like(c.acc_S, cutlass.Float16)
+            dtanh.store((1.0 - c.acc_S.load() * c.acc_S.load()).to(cutlass.Float16))
         if const_expr(cfg.alibi):
             slope = alibi_head_slope(c.mAlibiSlopes, c.alibi_scale, c.batch, head)
             apply_alibi(c.acc_S, c.thr_SdP, cfg.m_block_size, cfg.n_block_size, m_block, c.n_block, c.seqlen_q,
@@ -487,6 +516,8 @@ class FlashAttnBwdSm90:
             dpsum = Float32(0.0) if const_expr(cfg.shared_stats) else c.sdPsum[c.tScS[0, j][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                 acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+        if const_expr(cfg.softcap):
+            c.acc_dP.store(c.acc_dP.load() * dtanh.load().to(Float32))
         # P's 16-bit copy only now: the fp32 P and its copy are never live together.
         convert_f32_to_16bit(c.acc_S, c.tdVrP)
         gemm(c.tiled_mma_dKV, c.acc_dV, c.tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)

@@ -18,7 +18,7 @@ from cutlass import Float32
 
 from ..common.layouts import gmem_tiled_copy, smem_layout_atom
 from ..common.stores import stage_acc_in_smem, store_smem_tile
-from .bwd import dq_staging_view, dq_tiled_mma
+from .bwd import dq_staging_view, dq_swizzle_columns, dq_tiled_mma
 from .config import Sm90BwdConfig, Sm90BwdPostConfig
 
 
@@ -31,7 +31,7 @@ class FlashAttnBwdPostprocessSm90:
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
         m, d = self.cfg.m_block_size, self.cfg.head_dim
-        atom = smem_layout_atom(self.cfg.dtype, d)
+        atom = smem_layout_atom(self.cfg.dtype, dq_swizzle_columns(self.cfg))
         sdQ_layout = cute.tile_to_shape(atom, (m, d), (0, 1))
         s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, self.num_threads, cute.size(atom.outer.shape[1]))
 

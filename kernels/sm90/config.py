@@ -283,7 +283,7 @@ def _length_settings(dtype, head_dim: int, causal: bool, length: str, num_sms: i
 # The Hopper backward (kernels/sm90/bwd.py, bwd_post.py)
 
 # Head dims the Hopper backward implements; the others run the sm80 backward.
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 96, 128)
 
 
 @dataclass(frozen=True)
@@ -297,6 +297,7 @@ class Sm90BwdConfig:
     deterministic: bool = False  # dQ added in n_block order (a semaphore per query block)
     window: bool = False  # sliding window (its sides arrive at call time: call_with_mods)
     alibi: bool = False  # ALiBi bias (slopes at call time)
+    softcap: bool = False  # scores capped by softcap * tanh (the cap at call time)
     m_block_size: int = 64  # query rows per step
     n_block_size: int = 128  # keys per CTA: 64 per MMA warp group
     q_stages: int = 2  # Q (with its LSE) and dO (with its D) buffers in flight
@@ -344,15 +345,16 @@ def backward_smem_bytes(config: Sm90BwdConfig) -> int:
 
 def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, window: bool = False,
                     softcap: bool = False, alibi: bool = False) -> Sm90BwdConfig | None:
-    """The Hopper backward for this problem class, or None where the sm80 backward serves it
-    (softcap is not implemented here yet)."""
-    if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16) or softcap:
+    """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
+    if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
     if alibi and causal and head_dim > 64:  # spills 56 bytes per MMA thread (2026-11-28 compile report)
         return None
+    if softcap and head_dim > 96:  # spills 8-88 bytes per MMA thread at hd 128 (2026-11-28 compile report)
+        return None
     # 128-row query blocks where they fit the 240 registers without spilling: hd 64 non-causal
     # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md).
-    m_block_size = 128 if head_dim == 64 and not (causal or window or alibi) else 64
-    config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, m_block_size=m_block_size)
+    m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap) else 64
+    config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, m_block_size=m_block_size)
     assert backward_smem_bytes(config) <= SMEM_BYTES
     return config

@@ -86,14 +86,20 @@ def test_configurations_fit_and_key_only_what_changes_code():
     assert key != backward_plan(cutlass.Float16, 128, True).main.key
 
 
-# Sliding windows (causal ones come as right = 0 with causal=False) and ALiBi, each head dim, the
-# deterministic order with a window (its turns count from the window's first key block).
+# Sliding windows (causal ones come as right = 0 with causal=False), softcap and ALiBi, each head
+# dim, the deterministic order with a window (its turns count from the window's first key block).
 MOD_VARIANTS = [  # (dtype, head_dim, causal, deterministic, (window, softcap, alibi))
     (cutlass.BFloat16, 128, False, False, (True, False, False)),
     (cutlass.Float16, 64, False, True, (True, False, False)),
     (cutlass.BFloat16, 128, False, True, (True, False, True)),
     (cutlass.BFloat16, 64, True, False, (False, False, True)),
     (cutlass.Float16, 128, False, False, (False, False, True)),
+    (cutlass.BFloat16, 64, False, False, (False, True, False)),
+    (cutlass.Float16, 64, True, True, (False, True, False)),
+    (cutlass.BFloat16, 96, True, False, (False, True, False)),
+    (cutlass.Float16, 96, False, False, (False, True, False)),
+    (cutlass.BFloat16, 64, False, False, (True, True, True)),
+    (cutlass.BFloat16, 96, False, True, (True, False, False)),
 ]
 
 
@@ -102,7 +108,7 @@ def test_window_and_alibi_variants_compile_without_spills(dtype, head_dim, causa
     plan = backward_plan(dtype, head_dim, causal, deterministic, mods=mods)
     cfg = plan.main.config
     assert plan.main.kernel_cls is FlashAttnBwdSm90 and plan.main.entry == "call_with_mods"
-    assert (cfg.window, cfg.alibi) == (mods[0], mods[2]) and cfg.m_block_size == 64
+    assert (cfg.window, cfg.softcap, cfg.alibi) == mods and cfg.m_block_size == 64
     with capsys.disabled():
         report = compile_report(*plan.main.build(), arch=ARCH)
     assert report.ptx.count("wgmma.mma_async") == 2 * head_dim // 16 + 2 * cfg.m_block_size // 16 + cfg.n_block_size // 16
@@ -110,8 +116,9 @@ def test_window_and_alibi_variants_compile_without_spills(dtype, head_dim, causa
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 
-@pytest.mark.parametrize("mods,causal,head_dim", [((False, True, False), False, 64), ((False, False, True), True, 128)],
-                         ids=["softcap", "causal-alibi-hd128"])
-def test_softcap_and_causal_alibi_at_128_stay_on_the_sm80_backward(mods, causal, head_dim):
-    """softcap is not implemented in the Hopper backward; causal ALiBi at hd 128 spills there."""
+@pytest.mark.parametrize("head_dim,causal,mods", [(96, True, (False, False, True)), (128, True, (False, False, True)),
+                                                   (128, False, (False, True, False))], ids=str)
+def test_causal_alibi_and_softcap_above_their_head_dims_stay_on_the_sm80_backward(head_dim, causal, mods):
+    """In the Hopper backward causal ALiBi above hd 64 and softcap above hd 96 spill (56 and 8-88
+    bytes per MMA thread at hd 128)."""
     assert backward_plan(cutlass.BFloat16, head_dim, causal, mods=mods).main.kernel_cls is not FlashAttnBwdSm90

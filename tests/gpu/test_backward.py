@@ -117,7 +117,8 @@ def deterministic_algorithms():
 
 
 # Variants whose deterministic kernels other tests compile too, and on the H100 the Hopper
-# backward's 128-row query blocks (hd 64 non-causal) in fp16 with grouped-query heads.
+# backward's 128-row query blocks (hd 64 non-causal) in fp16 with grouped-query heads and its
+# 16-column swizzle for dQ (hd 96).
 DETERMINISTIC_CASES = [
     (torch.bfloat16, 64, True, (1000, 1000), 2),
     (torch.float16, 64, False, (1000, 777), 2),
@@ -125,6 +126,7 @@ DETERMINISTIC_CASES = [
     (torch.float16, 256, False, (300, 700), 2),
     (torch.bfloat16, 256, True, (700, 300), 4),
     (torch.float16, 224, True, (113, 203), 4),
+    (torch.bfloat16, 96, True, (700, 900), 2),
 ]
 
 
