@@ -307,13 +307,22 @@ def eager_op_us(clock) -> float:
 def summary_table(rows: list[dict]) -> str:
     """One line per (cell, pass): TFLOP/s (speed) or peak MiB (memory) of each method."""
     names = list(dict.fromkeys(r["method"] for r in rows))
-    lines = [f"{'suite':6} {'pass':6} {'cell':34} " + " ".join(f"{n[:12]:>12}" for n in names)]
+    lines = [f"{'suite':6} {'pass':6} {'cell':44} " + " ".join(f"{n[:12]:>12}" for n in names)]
     groups: dict[tuple, dict] = {}
     for r in rows:
         groups.setdefault(results.cell_group_key(r), {})[r["method"]] = r
     for key, by in groups.items():
         r0 = next(iter(by.values()))
-        cell = f"B={r0['batch']} S={r0['seqlen_q']} H={r0['nheads']} D={r0['headdim']}{' c' if r0['causal'] else ''}"
+        tags = [" c"] if r0["causal"] else []
+        if r0.get("window") is not None:
+            tags.append(f" w{r0['window'][0]},{r0['window'][1]}")
+        if r0.get("softcap"):
+            tags.append(f" cap{r0['softcap']:g}")
+        if r0.get("alibi"):
+            tags.append(" alibi")
+        if r0.get("dropout_p"):
+            tags.append(f" drop{r0['dropout_p']:g}")
+        cell = f"B={r0['batch']} S={r0['seqlen_q']} H={r0['nheads']} D={r0['headdim']}{''.join(tags)}"
         cols = []
         for n in names:
             r = by.get(n)
@@ -327,7 +336,7 @@ def summary_table(rows: list[dict]) -> str:
                 cols.append(f"{r['tflops']:.0f}TF {r['max_error']:.0e}")
             else:
                 cols.append(f"{r['tflops']:.1f}TF")
-        lines.append(f"{r0['suite']:6} {r0['pass']:6} {cell:34} " + " ".join(f"{c[:12]:>12}" for c in cols))
+        lines.append(f"{r0['suite']:6} {r0['pass']:6} {cell:44} " + " ".join(f"{c[:12]:>12}" for c in cols))
     return "\n".join(lines)
 
 

@@ -156,8 +156,13 @@ def versions() -> dict:
 # ----------------------------------------------------------------------------- ratios
 
 
+# A modified cell's fields (perf/suites.py Cell.key: absent where off).
+MOD_KEYS = ("window", "softcap", "alibi", "dropout_p")
+
+
 def cell_group_key(m: dict) -> tuple:
-    return (m["suite"], m["dtype"], m["pass"]) + tuple(m[k] for k in CELL_KEYS)
+    mods = tuple(tuple(v) if isinstance(v, list) else v for v in (m.get(k) for k in MOD_KEYS))
+    return (m["suite"], m["dtype"], m["pass"]) + tuple(m[k] for k in CELL_KEYS) + mods
 
 
 def compute_ratios(measurements: list[dict], ours: str = "ours") -> list[dict]:

@@ -10,13 +10,15 @@ smem tile at their (row, col), from which 16-byte vectors go to dQ with the call
 
 from __future__ import annotations
 
+import math
+
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.layouts import gmem_tiled_copy, smem_layout_atom
+from ..common.layouts import VECTOR_BITS, gmem_tiled_copy, smem_layout_atom
 from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .bwd import dq_staging_view, dq_swizzle_columns, dq_tiled_mma
 from .config import Sm90BwdConfig, Sm90BwdPostConfig
@@ -33,7 +35,11 @@ class FlashAttnBwdPostprocessSm90:
         m, d = self.cfg.m_block_size, self.cfg.head_dim
         atom = smem_layout_atom(self.cfg.dtype, dq_swizzle_columns(self.cfg))
         sdQ_layout = cute.tile_to_shape(atom, (m, d), (0, 1))
-        s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, self.num_threads, cute.size(atom.outer.shape[1]))
+        # 16-byte vectors (never split by the swizzle) over row segments wide enough that one pass
+        # of the CTA's threads stays within the m rows (d = 96: 32 columns, not the 16 of its atom).
+        row_elems = math.gcd(d, 64)
+        assert self.num_threads * VECTOR_BITS // self.cfg.dtype.width // row_elems <= m
+        s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, self.num_threads, row_elems)
 
         @cute.struct
         class SharedStorage:
