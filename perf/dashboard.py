@@ -223,13 +223,13 @@ def _save(fig, path: Path) -> Path:
 def _panels(rows: list[dict]) -> dict[tuple, list[dict]]:
     panels: dict[tuple, list[dict]] = {}
     for r in rows:
-        panels.setdefault((r["headdim"], r["causal"], r["dtype"]), []).append(r)
+        panels.setdefault((r["headdim"], r["causal"], r["dtype"], results.mods_label(r)), []).append(r)
     return dict(sorted(panels.items()))
 
 
 def _panel_title(key: tuple) -> str:
-    headdim, causal, dtype = key
-    return f"hdim {headdim}, {'causal' if causal else 'non-causal'}, {dtype}"
+    headdim, causal, dtype, mods = key
+    return f"hdim {headdim}, {'causal' if causal else 'non-causal'}, {dtype}{', ' + mods if mods else ''}"
 
 
 def _plot_over_length(plt, panels: dict, title: str, path: Path, series: str, value: str,
@@ -275,7 +275,7 @@ def _paired_range(ax, rows: list[dict], xkey: str, color) -> None:
     """The paired speedup (results.paired_speedup: peer / ours within each round) as its median
     with a bar over the rounds' min-max, beside the ratio of medians: how far the ratio can be
     trusted."""
-    paired = sorted((r[xkey], r["paired"]) for r in rows if r.get("paired"))
+    paired = sorted(((r[xkey], r["paired"]) for r in rows if r.get("paired")), key=lambda xp: xp[0])
     if not paired:
         return
     xs = [x for x, _ in paired]

@@ -165,6 +165,20 @@ def cell_group_key(m: dict) -> tuple:
     return (m["suite"], m["dtype"], m["pass"]) + tuple(m[k] for k in CELL_KEYS) + mods
 
 
+def mods_label(m: dict) -> str:
+    """A measurement's score modifications in words ("" for a plain cell)."""
+    words = []
+    if m.get("window") is not None:
+        words.append(f"window {m['window'][0]},{m['window'][1]}")
+    if m.get("softcap"):
+        words.append(f"softcap {m['softcap']:g}")
+    if m.get("alibi"):
+        words.append("ALiBi")
+    if m.get("dropout_p"):
+        words.append(f"dropout {m['dropout_p']:g}")
+    return ", ".join(words)
+
+
 def compute_ratios(measurements: list[dict], ours: str = "ours") -> list[dict]:
     """For every cell and pass, ours against each other method. For speed cells
     `speedup` = peer median time / our median time (> 1: ours is faster); for memory cells
@@ -184,7 +198,7 @@ def compute_ratios(measurements: list[dict], ours: str = "ours") -> list[dict]:
         for name, peer in by_method.items():
             if name == ours:
                 continue
-            entry = {k: mine[k] for k in ("suite", "dtype", "pass") + CELL_KEYS}
+            entry = {k: mine[k] for k in ("suite", "dtype", "pass") + CELL_KEYS + MOD_KEYS if k in mine}
             entry["peer"] = name
             value, note = None, None
             if mine["status"] != "ok":

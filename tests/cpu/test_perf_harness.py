@@ -407,6 +407,25 @@ def test_ratios_are_peer_time_over_ours():
     assert ratio["paired"]["rounds"] == 2 and abs(ratio["paired"]["median"] - 1.05) < 1e-12
 
 
+def test_modified_cells_pair_with_their_own_peers_and_rows():
+    """A softcap cell and the plain cell of the same shape are two cells: in the ratios, in the
+    summary table and in the dashboard's panels."""
+    from cute_flash.perf import dashboard
+
+    rows = [_row("ours", 1.0), _row("fa4", 2.0), _row("ours", 3.0), _row("fa4", 3.0)]
+    for r in rows[2:]:
+        r["softcap"] = 50.0
+        r["tflops"] = 1.0
+    for r in rows[:2]:
+        r["tflops"] = 2.0
+    ratios = results.compute_ratios(rows)
+    assert sorted((r.get("softcap", 0.0), r["speedup"]) for r in ratios) == [(0.0, 2.0), (50.0, 1.0)]
+    table = bench.summary_table(rows).splitlines()
+    assert len(table) == 3 and "cap50" in table[2] and "cap50" not in table[1]
+    assert len(dashboard._panels(ratios)) == 2
+    assert results.mods_label(rows[2]) == "softcap 50" and results.mods_label(rows[0]) == ""
+
+
 def test_memory_ratios_and_oom_point():
     rows = [_row("ours", kind="memory", peak=100, seqlen=n) for n in (1024, 4096)]
     rows += [_row("standard", kind="memory", peak=400, seqlen=1024), _row("standard", kind="memory", status="oom", seqlen=4096)]
