@@ -123,23 +123,23 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     point of the family's forward (the Hopper forward's where it serves the dtype and head dim).
     `varlen` (packed sequences at cu_seqlens offsets) is served by the sm80 forward's `call_varlen`
     entry point on every GPU, with or without `mods` (their values None where off). `dropout`
-    (dropout_p > 0: kernels/common/philox.py) is served by the sm80 forward's `call_with_mods` on
-    every GPU, dense batches only."""
+    (dropout_p > 0: kernels/common/philox.py) goes to the same `call_with_mods` entry points,
+    dense batches only."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     _check_dropout(dropout, varlen)
-    if (family or kernel_family(capability)) == "sm90" and not varlen and not dropout:
+    if (family or kernel_family(capability)) == "sm90" and not varlen:
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
 
         config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms,
-                                **_mod_fields(causal, mods))
+                                **_mod_fields(causal, mods, dropout))
         if config is not None:
             args = fake_forward_args(cdtype, head_dim, True)
-            if mods == NO_MODS:
+            if mods == NO_MODS and not dropout:
                 return Plan(FlashAttnFwdSm90, config, args, arch)
-            return Plan(FlashAttnFwdSm90, config, args[:-1] + fake_score_mods(*mods) + args[-1:], arch,
-                        entry="call_with_mods")
+            return Plan(FlashAttnFwdSm90, config, args[:-1] + fake_score_mods(*mods) + fake_dropout_args(dropout)
+                        + args[-1:], arch, entry="call_with_mods")
     from .kernels.sm80.config import Sm80FwdConfig
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 

@@ -97,10 +97,10 @@ SCORE_MOD_ARGS = 4
 
 
 def _score_mods_only(mods: tuple) -> tuple:
-    """The Hopper kernels' modification values: they have no dropout (dispatch sends dropout calls
-    to the sm80 kernels), so the empty dropout slots api._dropout appends after them stay behind."""
+    """The Hopper backward's modification values: it has no dropout (dispatch sends dropout
+    backwards to the sm80 kernel), so the empty dropout slots api._dropout appends stay behind."""
     if any(value is not None for value in mods[SCORE_MOD_ARGS:]):
-        raise UnsupportedArgumentError("the Hopper kernels have no dropout; dispatch plans dropout on the sm80 kernels")
+        raise UnsupportedArgumentError("the Hopper backward has no dropout; dispatch plans it on the sm80 kernel")
     return mods[:SCORE_MOD_ARGS]
 
 
@@ -135,8 +135,7 @@ def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
                 batch, seqlen_q, heads, _ = q.shape
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
-        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0,
-                 *_score_mods_only(mods))
+        compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0, *mods)
 
     return launch
 

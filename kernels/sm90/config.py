@@ -69,6 +69,8 @@ class Sm90FwdConfig:
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    # Dropout on P after its row sums (kernels/common/philox.py), its seed, offset and p at run time.
+    dropout: bool = False
 
     @staticmethod
     def create(dtype, head_dim: int, causal: bool, *, num_sms: int = 0, dynamic_schedule: bool = False,
@@ -185,11 +187,17 @@ def forward_config(dtype, head_dim: int, causal: bool, length: str, num_sms: int
     window is non-causal, so its tiles walk in launch order and no tail is split)."""
     if head_dim not in HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
+    if mods.get("dropout") and (head_dim > 128 or mods.get("alibi")):
+        # the Philox rounds spill 48-96 bytes in four hd 192 / 256 classes, and 16-196 with ALiBi
+        # in six classes at hd 64-128 (2026-11-28 compile reports): the sm80 forward serves those
+        return None
     settings = _tiles(head_dim, causal) | _length_settings(dtype, head_dim, causal, length, num_sms)
-    if settings["tile_m"] == 192 and ((mods.get("alibi") and causal) or (mods.get("softcap") and head_dim <= 64)):
-        # Three consumer warp groups leave 128 registers per thread: causal ALiBi (hd 96, 128) and
-        # softcap at hd 64 spill there (56-192 bytes, 2026-11-28 compile reports); two groups of
-        # 128-row tiles do not.
+    masked = causal or mods.get("window")
+    if settings["tile_m"] == 192 and ((mods.get("alibi") and causal) or (mods.get("dropout") and masked)
+                                      or (mods.get("softcap") and head_dim <= 64)):
+        # Three consumer warp groups leave 128 registers per thread: causal ALiBi (hd 96, 128),
+        # dropout with a causal mask or a window (hd 64, 128) and softcap at hd 64 spill there
+        # (32-192 bytes, 2026-11-28 compile reports); two groups of 128-row tiles do not.
         settings.update(tile_m=128, tile_n=128)
     if mods.get("alibi") and causal and head_dim > 192 and length == "mid":
         settings["wg_epilogue"] = False  # with per-group O stores it spills 24 bytes (2026-11-28)

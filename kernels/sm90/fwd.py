@@ -28,8 +28,10 @@ FlashAttention-2 Algorithm 1, mapped onto Hopper:
 K/V blocks are visited from the last one down, so the blocks that need masking (the
 seqlen_k tail, the causal diagonal, a sliding window's right edge) come first and the rest run
 mask-free (but for those crossing a window's left edge, last). Score modifications
-(config.window / softcap / alibi) are compiled in only where the configuration asks; their values
-come through `call_with_mods`.
+(config.window / softcap / alibi) and dropout (config.dropout: the Philox keep mask of
+kernels/common/philox.py, a function of each element's coordinates, so the sm80 backward draws the
+same one) are compiled in only where the configuration asks; their values come through
+`call_with_mods`.
 
 Where things are: the configuration (tiles, schedule, softmax form, epilogue) in config.py, the
 tile walk in tile_scheduler.py, O's and LSE's way out in epilogue.py, the warp roles and the main
@@ -54,6 +56,7 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from ..common.blocks import BlockRanges, kv_head
 from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
+from ..common.philox import DropoutRng, apply_dropout
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90FwdConfig, smem_bytes
@@ -103,7 +106,7 @@ class FlashAttnFwdSm90:
         zero again): one per split tile, then the dynamic schedule's; after them the tail plan
         of split_units pieces (TailPlan.words)."""
         self.launch(mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale, whole_tiles, split_units,
-                    None, None, None, None, stream)
+                    None, None, None, None, (None,) * 4, stream)
 
     @cute.jit
     def call_with_mods(
@@ -123,19 +126,26 @@ class FlashAttnFwdSm90:
         window_right: Int32 | None,
         softcap: Float32 | None,
         mAlibiSlopes: cute.Tensor | None,
+        philox_seed: cutlass.Int64 | None,
+        philox_offset: cutlass.Int64 | None,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
         stream: cuda.CUstream,
     ):
-        """The entry point of a kernel with score modifications (config.window / softcap / alibi):
-        __call__'s arguments, then the modifications' values, None for each the configuration
-        leaves out. window_left / window_right: the window's sides, an unbounded side given as a
-        bound no row reaches; softcap > 0; mAlibiSlopes: (1 or batch, nheads) float32."""
+        """The entry point of a kernel with score modifications (config.window / softcap / alibi)
+        or dropout: __call__'s arguments, then the modifications' values, None for each the
+        configuration leaves out (the sm80 forward's order). window_left / window_right: the
+        window's sides, an unbounded side given as a bound no row reaches; softcap > 0;
+        mAlibiSlopes: (1 or batch, nheads) float32; dropout: Philox seed and offset, the keep
+        threshold floor(p * 2^32) and 1 / (1 - p) (kernels/common/philox.py)."""
         self.launch(mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale, whole_tiles, split_units,
-                    window_left, window_right, softcap, mAlibiSlopes, stream)
+                    window_left, window_right, softcap, mAlibiSlopes,
+                    (philox_seed, philox_offset, dropout_threshold, dropout_scale), stream)
 
     @cute.jit
     def launch(self, mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale: Float32,
                whole_tiles: Int32, split_units: Int32, window_left, window_right, softcap, mAlibiSlopes,
-               stream: cuda.CUstream):
+               dropout_args, stream: cuda.CUstream):
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
         # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
         mQ, mK, mO = [
@@ -217,7 +227,8 @@ class FlashAttnFwdSm90:
             grid_x = cutlass.min(num_units, self.cfg.num_sms)
         # With softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap.
         score_scale, mods = kernel_mod_args(self.cfg.window, self.cfg.softcap, self.cfg.alibi, softmax_scale,
-                                            window_left, window_right, softcap, mAlibiSlopes)
+                                            window_left, window_right, softcap, mAlibiSlopes, self.cfg.dropout,
+                                            dropout_args)
         softmax_scale_log2 = score_scale * Float32(LOG2_E)
         gmem_copy_O = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, 128, self.cfg.head_dim)
         self.kernel(
@@ -258,6 +269,10 @@ class FlashAttnFwdSm90:
         softcap_pre: Float32 | None = None,
         mAlibiSlopes: cute.Tensor | None = None,
         alibi_scale: Float32 | None = None,
+        philox_seed: cutlass.Int64 | None = None,
+        philox_offset: cutlass.Int64 | None = None,
+        dropout_threshold: Int32 | None = None,
+        dropout_scale: Float32 | None = None,
     ):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -335,6 +350,7 @@ class FlashAttnFwdSm90:
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O,
                 mLSE, pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
                 split, role_namespace(sched), walk_plan, window, softcap_pre, mAlibiSlopes, alibi_scale,
+                (philox_seed, philox_offset, dropout_threshold, dropout_scale),
             )
 
 
@@ -446,7 +462,7 @@ class FlashAttnFwdSm90:
     def consumer(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O, mLSE,
         pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched, walk_plan,
-        window, softcap_pre, mAlibiSlopes, alibi_scale,
+        window, softcap_pre, mAlibiSlopes, alibi_scale, dropout_args,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -498,6 +514,9 @@ class FlashAttnFwdSm90:
                 unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
             )
             alibi_slope = alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head)
+            rng = None
+            if const_expr(self.cfg.dropout):
+                rng = DropoutRng.create(*dropout_args[:3], batch * num_heads + head)
             acc_O.fill(0.0)
             softmax.reset()
             q_buffer = q_state.index // self.cfg.q_pieces  # this tile's Q stage (a piece's stage with q_by_group)
@@ -507,7 +526,7 @@ class FlashAttnFwdSm90:
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
                 seqlen_q=seqlen_q, seqlen_k=seqlen_k, q_index=q_buffer,
                 pipeline_q=pipeline_q, q_state=q_state, mQ=mQ_gmem, mK=mK_gmem, head=head, batch=batch,
-                window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope,
+                window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope, rng=rng,
             )
             if n_block_max > n_block_min:
                 wait_full(pipeline_q, q_state, self.cfg.spin_waits)
@@ -541,7 +560,11 @@ class FlashAttnFwdSm90:
             tOcO_mn = reshape_acc_to_mn(
                 tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim)))
             )
-            softmax.rescale_O(acc_O, softmax.finalize())
+            row_scale = softmax.finalize()
+            if const_expr(self.cfg.dropout):
+                # kept probabilities count 1 / (1 - p) times; the LSE keeps every probability
+                row_scale.store(row_scale.load() * dropout_args[3])
+            softmax.rescale_O(acc_O, row_scale)
             if const_expr(self.cfg.o_from_registers):
                 store = partial(self.output.store_O_from_registers, acc_O, softmax.row_sum, tOcO_mn, tidx_tile, mO_gmem,
                                 mLSE, m_block, head, batch, seqlen_q)
@@ -608,7 +631,7 @@ class FlashAttnFwdSm90:
         self.score_mods(c, n_block_max - 1)
         self.mask(c, n_block_max - 1, True)
         c.softmax.online_softmax(c.acc_S, is_first=True)
-        self.convert_P(c)
+        self.convert_P(c, n_block_max - 1)
         if const_expr(self.cfg.causal or self.cfg.window):
             for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
                 kv_state = self.one_block(c, kv_state, n_block_max - 2 - i, True)
@@ -685,7 +708,11 @@ class FlashAttnFwdSm90:
     def gemm_pv(self, c, stage):
         gemm(c.tiled_mma_pv, c.acc_O, c.tOrP, c.tOrVt[None, None, None, stage], zero_init=False)
 
-    def convert_P(self, c):
+    def convert_P(self, c, n_block):
+        if const_expr(self.cfg.dropout):
+            # After the row sums took P: dropped probabilities leave P V only.
+            apply_dropout(c.acc_S, c.thr_qk, self.cfg.tile_m, self.cfg.tile_n, c.m_block, n_block, c.rng,
+                          encode_in_sign=False)
         # Not `tOrP.store(acc_S.load().to(dtype))`: LLVM sinks that pure conversion to its use, the
         # PV GEMM of the next block, which is issued after that block's S GEMM. S of the previous
         # block then stays live (and is copied) while the new S GEMM is in flight: 64 extra
@@ -721,7 +748,7 @@ class FlashAttnFwdSm90:
             warpgroup.wait_group(0)
             c.softmax.settle_stale(outgrown, c.acc_S, c.acc_O, block_sum, partial(self.rescore, c, n_block))
             c.pipeline_v.consumer_release(kv_state_v)
-            self.convert_P(c)
+            self.convert_P(c, n_block)
             return kv_state
         # Wait for the previous block's PV GEMM between the row maxima and the exponentials, with
         # the exponentials made to depend on O (f32_after): otherwise ptxas places that wait where
@@ -742,7 +769,7 @@ class FlashAttnFwdSm90:
             max_scaled[r] = f32_after(max_scaled[r], c.acc_O[0])
         c.softmax.exponentiate(c.acc_S, max_scaled, row_scale)
         c.pipeline_v.consumer_release(kv_state_v)
-        self.convert_P(c)
+        self.convert_P(c, n_block)
         if const_expr(not self.cfg.lazy_rescale):
             c.softmax.rescale_O(c.acc_O, row_scale)
         return kv_state

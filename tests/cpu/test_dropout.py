@@ -132,6 +132,13 @@ VARIANTS = [
     ("bwd", torch.bfloat16, 128, False, False, True, dispatch.NO_MODS, (9, 0)),
     ("bwd", torch.float16, 256, True, False, False, dispatch.NO_MODS, (9, 0)),
     ("bwd", torch.bfloat16, 72, False, False, True, dispatch.NO_MODS, (9, 0)),
+    # the Hopper forward: three- and two-group tiles, a window with dropout; hd 192 stays sm80
+    ("fwd", torch.bfloat16, 64, False, False, False, dispatch.NO_MODS, (9, 0)),
+    ("fwd", torch.float16, 64, True, False, False, dispatch.NO_MODS, (9, 0)),
+    ("fwd", torch.bfloat16, 96, True, False, False, dispatch.NO_MODS, (9, 0)),
+    ("fwd", torch.bfloat16, 128, False, False, False, (True, False, False), (9, 0)),
+    ("fwd", torch.float16, 192, False, False, False, dispatch.NO_MODS, (9, 0)),
+    ("fwd", torch.bfloat16, 64, False, False, False, (False, False, True), (9, 0)),
 ]
 
 
@@ -146,21 +153,23 @@ def test_dropout_kernels_compile_without_spills(variant):
 
     pass_name, dtype, head_dim, causal, deterministic, gqa, mods, capability = variant
     if pass_name == "fwd":
-        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, family="sm90", num_sms=132, mods=mods,
-                                     dropout=True)
+        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, num_sms=132, mods=mods, dropout=True)
     else:
         plan = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, family="sm90",
                                       mods=mods, dropout=True).main
-    assert plan.family == "sm80" and plan.entry == "call_with_mods" and plan.config.dropout
+    hopper_forward = (pass_name == "fwd" and capability == (9, 0) and dtype != torch.float32 and head_dim <= 128
+                      and not mods[2])
+    assert plan.family == ("sm90" if hopper_forward else "sm80") and plan.entry == "call_with_mods"
+    assert plan.config.dropout
     kernel, args = plan.build()
     report = compile_report(kernel, args, arch=plan.arch)
     assert "mul.hi.u32" in report.ptx  # the Philox rounds
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
-def test_hopper_forward_launch_refuses_dropout_values():
-    """The Hopper forward takes the four score-modification values only: dropout's empty slots stay
-    behind, and a dropout value reaching it is refused, not dropped."""
+def test_hopper_backward_launch_refuses_dropout_values():
+    """The Hopper backward takes the four score-modification values only: dropout's empty slots
+    stay behind, and a dropout value reaching it is refused, not dropped."""
     from cute_flash.errors import UnsupportedArgumentError
     from cute_flash.launchers import _score_mods_only
 
