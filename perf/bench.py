@@ -313,16 +313,9 @@ def summary_table(rows: list[dict]) -> str:
         groups.setdefault(results.cell_group_key(r), {})[r["method"]] = r
     for key, by in groups.items():
         r0 = next(iter(by.values()))
-        tags = [" c"] if r0["causal"] else []
-        if r0.get("window") is not None:
-            tags.append(f" w{r0['window'][0]},{r0['window'][1]}")
-        if r0.get("softcap"):
-            tags.append(f" cap{r0['softcap']:g}")
-        if r0.get("alibi"):
-            tags.append(" alibi")
-        if r0.get("dropout_p"):
-            tags.append(f" drop{r0['dropout_p']:g}")
-        cell = f"B={r0['batch']} S={r0['seqlen_q']} H={r0['nheads']} D={r0['headdim']}{''.join(tags)}"
+        mods = results.mods_label(r0)
+        cell = (f"B={r0['batch']} S={r0['seqlen_q']} H={r0['nheads']} D={r0['headdim']}{' c' if r0['causal'] else ''}"
+                f"{' ' + mods if mods else ''}")
         cols = []
         for n in names:
             r = by.get(n)

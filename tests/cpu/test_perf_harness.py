@@ -421,7 +421,7 @@ def test_modified_cells_pair_with_their_own_peers_and_rows():
     ratios = results.compute_ratios(rows)
     assert sorted((r.get("softcap", 0.0), r["speedup"]) for r in ratios) == [(0.0, 2.0), (50.0, 1.0)]
     table = bench.summary_table(rows).splitlines()
-    assert len(table) == 3 and "cap50" in table[2] and "cap50" not in table[1]
+    assert len(table) == 3 and "softcap 50" in table[2] and "softcap" not in table[1]
     assert len(dashboard._panels(ratios)) == 2
     assert results.mods_label(rows[2]) == "softcap 50" and results.mods_label(rows[0]) == ""
 
