@@ -108,6 +108,8 @@ class FlashAttnBwdSm90:
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config
+        # Block ranges of this tiling (compile-time sizes): the query walk's and the dQ turns'.
+        self.ranges = BlockRanges(config.m_block_size, config.n_block_size, config.causal)
 
     def smem_bytes(self, **_) -> int:
         return backward_smem_bytes(self.cfg)
@@ -155,8 +157,8 @@ class FlashAttnBwdSm90:
         mAlibiSlopes: cute.Tensor | None,
         stream: cuda.CUstream,
     ):
-        """A kernel with a window or ALiBi (config.window / config.alibi): their values as the
-        forward's `call_with_mods` takes them (softcap stays None: dispatch plans it on sm80)."""
+        """A kernel with a window, softcap or ALiBi (config.window / softcap / alibi): their values
+        as the forward's `call_with_mods` takes them, None for each the configuration leaves out."""
         self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
                     window_left, window_right, softcap, mAlibiSlopes, stream)
 
@@ -308,7 +310,7 @@ class FlashAttnBwdSm90:
         [m_block_min, m_block_max) that see one of its keys. Step i is (head, m_block) = step(i).
         Blocks below mask_end (the causal diagonal's, or those crossing a window's right edge) and
         from mask_start (crossing its left edge) need a mask."""
-        ranges = BlockRanges(self.cfg.m_block_size, self.cfg.n_block_size, self.cfg.causal)
+        ranges = self.ranges
         if const_expr(window is not None):
             m_block_min, m_block_max = ranges.m_block_min_max_window(n_block, seqlen_q, seqlen_k, *window)
             mask_end, mask_start = ranges.m_block_window_masks(n_block, seqlen_q, seqlen_k, *window)
@@ -387,8 +389,7 @@ class FlashAttnBwdSm90:
                 lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
                 turn = n_block
                 if const_expr(window is not None):
-                    ranges = BlockRanges(cfg.m_block_size, cfg.n_block_size, cfg.causal)
-                    n_block_min, _ = ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
+                    n_block_min, _ = self.ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
                     turn = n_block - n_block_min
                 if lane == 0:
                     while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != turn:
