@@ -121,21 +121,25 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80".
     `mods` (window, softcap, ALiBi: validate.ScoreMods.flags) go to the `call_with_mods` entry
     point of the family's forward (the Hopper forward's where it serves the dtype and head dim).
-    `varlen` (packed sequences at cu_seqlens offsets) is served by the sm80 forward's `call_varlen`
-    entry point on every GPU, with or without `mods` (their values None where off). `dropout`
+    `varlen` (packed sequences at cu_seqlens offsets) goes to the family's `call_varlen` entry
+    point, with or without `mods` (their values None where off). `dropout`
     (dropout_p > 0: kernels/common/philox.py) goes to the same `call_with_mods` entry points,
     dense batches only."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     _check_dropout(dropout, varlen)
-    if (family or kernel_family(capability)) == "sm90" and not varlen:
+    if (family or kernel_family(capability)) == "sm90":
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
 
         config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms,
-                                **_mod_fields(causal, mods, dropout))
+                                **_mod_fields(causal, mods, dropout), **({"varlen": True} if varlen else {}))
         if config is not None:
             args = fake_forward_args(cdtype, head_dim, True)
+            if varlen:  # the workspace, then cu_seqlens_q, cu_seqlens_k, max_seqlen_q and the scale
+                return Plan(FlashAttnFwdSm90, config, args[:8] + (fake_int32_vector(), fake_int32_vector(),
+                            cutlass.Int32(1), cutlass.Float32(1.0)) + fake_score_mods(*mods) + args[-1:], arch,
+                            entry="call_varlen")
             if mods == NO_MODS and not dropout:
                 return Plan(FlashAttnFwdSm90, config, args, arch)
             return Plan(FlashAttnFwdSm90, config, args[:-1] + fake_score_mods(*mods) + fake_dropout_args(dropout)

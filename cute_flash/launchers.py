@@ -1,6 +1,8 @@
 """Per-call launches: what a compiled plan needs besides q, k, v and the outputs.
 
     forward_launcher(plan)    -> launch(q, k, v, out, lse, softmax_scale[, *score_mods])
+                                 (a packed batch's plan: launch(q, k, v, out, lse, cu_seqlens_q,
+                                 cu_seqlens_k, max_seqlen_q, softmax_scale, *score_mods))
     backward_launcher(plan)   -> launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale[, *score_mods])
     backward_varlen_launcher(plan) -> launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
                                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, *score_mods)
@@ -45,6 +47,8 @@ def forward_launcher(plan: Plan) -> Callable:
     loads) its kernel and adds the per-call arguments that kernel takes beyond these."""
     compiled = plan.compiled()
     if isinstance(plan.config, Sm90FwdConfig):
+        if plan.config.varlen:
+            return sm90_varlen_forward_launcher(compiled, plan.config)
         return sm90_forward_launcher(compiled, plan.config)
     return compiled
 
@@ -136,6 +140,21 @@ def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
         compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0, *mods)
+
+    return launch
+
+
+def sm90_varlen_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
+    """`launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale,
+    *score_mods)` (the sm80 forward's `call_varlen` order) for a compiled FlashAttnFwdSm90 of a
+    packed batch: no tail is split, so the workspace is the unused one, with the dynamic
+    schedule's counter where the kernel has one."""
+
+    def launch(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, *mods):
+        workspace = _unused_workspace(q.device, config.head_dim)
+        if config.dynamic_schedule:
+            workspace = workspace[:2] + (_counters_for(q.device, config.num_sms),)
+        compiled(q, k, v, out, lse, *workspace, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, *mods)
 
     return launch
 

@@ -46,6 +46,11 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
     offset, seqlen = sequence_bounds(mCuSeqlens, batch)
         Sequence `batch`'s first packed row and length, read from its cu_seqlens (int32, device).
 
+    rows_from(mX, offset, mode) -> cute.Tensor
+        mX (any rank, TMA coordinate tensors too) with mode `mode` starting at row `offset`: a
+        packed sequence seen from its first row (the Hopper forward's varlen views); mX itself
+        for a dense batch (offset None).
+
     sequence_stat(mX, batch, head, offset) -> cute.Tensor
         The same for a (batch, heads, seqlen) row statistic (LSE), packed (1, heads, total).
 
@@ -75,6 +80,12 @@ def sequence_rows(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:
 def sequence_bounds(mCuSeqlens: cute.Tensor, batch):
     offset = mCuSeqlens[batch]
     return offset, mCuSeqlens[batch + 1] - offset
+
+
+def rows_from(mX: cute.Tensor, offset, mode: int) -> cute.Tensor:
+    if offset is None:
+        return mX
+    return cute.domain_offset(tuple(offset if i == mode else 0 for i in range(cute.rank(mX))), mX)
 
 
 def sequence_stat(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:

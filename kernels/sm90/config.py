@@ -71,6 +71,10 @@ class Sm90FwdConfig:
     alibi: bool = False
     # Dropout on P after its row sums (kernels/common/philox.py), its seed, offset and p at run time.
     dropout: bool = False
+    # Packed variable-length batches (`call_varlen`): each tile's sequence bounds come from
+    # cu_seqlens on the device, and O leaves from registers, clipped at the sequence's last row
+    # (a TMA box would run into the next sequence's rows).
+    varlen: bool = False
 
     @staticmethod
     def create(dtype, head_dim: int, causal: bool, *, num_sms: int = 0, dynamic_schedule: bool = False,
@@ -79,12 +83,18 @@ class Sm90FwdConfig:
                release_q_early: bool = True, wg_epilogue: bool = False, wg_tma_store: bool = False,
                q_by_group: bool = False, tile_order: str = "none", **settings) -> "Sm90FwdConfig":
         """The configuration with its interdependent settings resolved (see the field comments)."""
+        varlen = settings.get("varlen", False)
+        if varlen:
+            # The walk covers every sequence's tiles at the longest one's count; no host plan knows
+            # their lengths, and the row-clipped register epilogue is the one that suits them.
+            planned_tail, prefetch_next, wg_epilogue, o_from_registers = False, False, False, True
+            tile_order = "head" if tile_order != "none" else tile_order
         plain = Sm90FwdConfig(dtype, head_dim, causal, num_sms=num_sms, wg_epilogue=wg_epilogue, **settings)
         assert can_implement(plain), plain
         persistent = num_sms > 0
         dynamic_schedule = persistent and dynamic_schedule
         tile_order = tile_order if causal else "none"
-        o_from_registers = o_from_registers and not plain.separate_o
+        o_from_registers = o_from_registers and (varlen or not plain.separate_o)
         return replace(
             plain,
             tile_order=tile_order,
@@ -123,8 +133,9 @@ class Sm90FwdConfig:
     def splits_tail(self) -> bool:
         """Persistent non-causal kernels split their last round (causal tiles run longest first,
         so their last round is short anyway). Not with a window: the tail plan cuts every tile's
-        keys from block 0 to the last, where a window's tiles span runs of their own."""
-        return self.num_sms > 0 and not self.causal and not self.window
+        keys from block 0 to the last, where a window's tiles span runs of their own. Nor packed
+        batches: the host does not know their tiles."""
+        return self.num_sms > 0 and not self.causal and not self.window and not self.varlen
 
     @property
     def separate_o(self) -> bool:
@@ -167,6 +178,8 @@ def can_implement(config: Sm90FwdConfig) -> bool:
     if config.num_stages < 1 or config.q_stages < 1:
         return False
     if config.window and config.causal:  # a causal window is a window with right = 0
+        return False
+    if config.varlen and config.dropout:
         return False
     if config.wg_epilogue and not wg_epilogue_fits(config.head_dim):
         return False

@@ -54,7 +54,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges, kv_head
-from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn
+from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn, rows_from
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.packed16 import convert_f32_to_16bit
@@ -143,9 +143,40 @@ class FlashAttnFwdSm90(ForwardLoads):
                     (philox_seed, philox_offset, dropout_threshold, dropout_scale), stream)
 
     @cute.jit
+    def call_varlen(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOpiece: cute.Tensor,
+        mLSEpiece: cute.Tensor,
+        mPieceCount: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_q: Int32,
+        softmax_scale: cutlass.Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """The entry point of a packed variable-length batch (config.varlen), in the sm80
+        forward's order: mQ, mO (1, total_q, nheads, head_dim), mK, mV (1, total_k, nheads_kv,
+        head_dim), mLSE (1, nheads, total_q); sequence b holds rows cu_seqlens[b] ..
+        cu_seqlens[b + 1] - 1 (int32, batch + 1 entries); max_seqlen_q (at least every sequence's
+        length) sizes the walk. The workspace as __call__'s (only the dynamic schedule's counter
+        is used: no tail is split), score modifications as call_with_mods."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale, Int32(0), Int32(0),
+                    window_left, window_right, softcap, mAlibiSlopes, (None,) * 4, stream,
+                    varlen_args=(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q))
+
+    @cute.jit
     def launch(self, mQ, mK, mV, mO, mLSE, mOpiece, mLSEpiece, mPieceCount, softmax_scale: Float32,
                whole_tiles: Int32, split_units: Int32, window_left, window_right, softcap, mAlibiSlopes,
-               dropout_args, stream: cuda.CUstream):
+               dropout_args, stream: cuda.CUstream, varlen_args=(None,) * 3):
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch): the first two modes are what a
         # tile covers; V is viewed transposed, (d, seqlen_k, heads, batch), as the B operand of P V.
         mQ, mK, mO = [
@@ -220,8 +251,11 @@ class FlashAttnFwdSm90(ForwardLoads):
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * SCHEDULE_STAGES]
             sched_units: cute.struct.MemRange[Int32, SCHEDULE_STAGES]
 
-        num_units = self.scheduler.num_units(mQ.shape[0], mQ.shape[2], mQ.shape[3],
-                                   SimpleNamespace(whole_tiles=whole_tiles, units=split_units))
+        grid_seqlen_q, num_batch = mQ.shape[0], mQ.shape[3]
+        if const_expr(self.cfg.varlen):
+            grid_seqlen_q, num_batch = varlen_args[2], varlen_args[0].shape[0] - 1
+        num_units = self.scheduler.num_units(grid_seqlen_q, mQ.shape[2], num_batch,
+                                             SimpleNamespace(whole_tiles=whole_tiles, units=split_units))
         grid_x = num_units
         if const_expr(self.cfg.num_sms > 0):
             grid_x = cutlass.min(num_units, self.cfg.num_sms)
@@ -235,7 +269,7 @@ class FlashAttnFwdSm90(ForwardLoads):
             tma_atom_Q, tma_Q, tma_atom_K, tma_K, tma_atom_V, tma_Vt, tma_atom_O, tma_O, mO, mQ, mK, gmem_copy_O,
             mLSE, mOpiece, mLSEpiece, mPieceCount, whole_tiles, split_units, softmax_scale_log2,
             tiled_mma_qk, tiled_mma_pv,
-            sQ_layout, sK_layout, sVt_layout, SharedStorage, **mods,
+            sQ_layout, sK_layout, sVt_layout, SharedStorage, *varlen_args, **mods,
         ).launch(
             grid=[grid_x, 1, 1],
             block=[self.cfg.num_threads, 1, 1],
@@ -264,6 +298,9 @@ class FlashAttnFwdSm90(ForwardLoads):
         sK_layout: cute.ComposedLayout,
         sVt_layout: cute.ComposedLayout,
         SharedStorage: cutlass.Constexpr,
+        mCuSeqlensQ: cute.Tensor | None = None,
+        mCuSeqlensK: cute.Tensor | None = None,
+        max_seqlen_q: Int32 | None = None,
         window_left: Int32 | None = None,
         window_right: Int32 | None = None,
         softcap_pre: Float32 | None = None,
@@ -337,12 +374,17 @@ class FlashAttnFwdSm90(ForwardLoads):
 
         # The window's sides, None without one (config.window).
         window = (window_left, window_right) if const_expr(self.cfg.window) else None
+        # A packed batch's sequence bounds (config.varlen), None for a dense one.
+        varlen = None
+        if const_expr(self.cfg.varlen):
+            varlen = SimpleNamespace(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, max_seqlen_q=max_seqlen_q,
+                                     num_batch=mCuSeqlensQ.shape[0] - 1)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.register_split[0])
             if warp_idx == 0:
                 self.producer(
                     tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched), walk_plan, window,
+                    pipeline_q, pipeline_k, pipeline_v, split, role_namespace(sched), walk_plan, window, varlen,
                 )
         else:
             cute.arch.setmaxregister_increase(self.cfg.register_split[1])
@@ -350,7 +392,7 @@ class FlashAttnFwdSm90(ForwardLoads):
                 tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O,
                 mLSE, pipeline_q, pipeline_k, pipeline_v, tidx - 128, mQ.shape[0], mK.shape[0], softmax_scale_log2,
                 split, role_namespace(sched), walk_plan, window, softcap_pre, mAlibiSlopes, alibi_scale,
-                (philox_seed, philox_offset, dropout_threshold, dropout_scale),
+                (philox_seed, philox_offset, dropout_threshold, dropout_scale), varlen,
             )
 
 
@@ -358,7 +400,7 @@ class FlashAttnFwdSm90(ForwardLoads):
     def consumer(
         self, tiled_mma_qk, tiled_mma_pv, sQ, sK, sVt, sO, tma_atom_O, mO, mO_gmem, mQ_gmem, mK_gmem, gmem_copy_O, mLSE,
         pipeline_q, pipeline_k, pipeline_v, tidx, seqlen_q, seqlen_k, softmax_scale_log2, split, sched, walk_plan,
-        window, softcap_pre, mAlibiSlopes, alibi_scale, dropout_args,
+        window, softcap_pre, mAlibiSlopes, alibi_scale, dropout_args, varlen,
     ):
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
         wg_qk = tiled_mma_qk.get_slice(wg_idx * 128)
@@ -388,6 +430,8 @@ class FlashAttnFwdSm90(ForwardLoads):
             cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE, number_of_threads=256)
 
         num_heads, num_batch = mO.shape[2], mO.shape[3]
+        if const_expr(varlen is not None):
+            seqlen_q, num_batch = varlen.max_seqlen_q, varlen.num_batch
         block_ranges = BlockRanges(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
         # This warp group's first Q stage: its own piece of the first Q buffer (q_by_group).
@@ -406,9 +450,11 @@ class FlashAttnFwdSm90(ForwardLoads):
             if const_expr(self.cfg.planned_tail):
                 # Read now: in the planned rounds it comes from global memory.
                 next_unit = self.scheduler.unit_of_round(round_idx + 1, walk_plan)
-            m_block, head, batch, n_block_min, n_block_max, slot = self.scheduler.unit_work(
-                unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
+            m_block, head, batch, n_block_min, n_block_max, slot, seq = self.scheduler.unit_work(
+                unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window, varlen
             )
+            mQ_seq, mK_seq, mO_seq, mLSE_seq, batch_idx = self.sequence_tensors(
+                seq, batch, mQ_gmem, mK_gmem, mO_gmem, mLSE)
             alibi_slope = alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head)
             rng = None
             if const_expr(self.cfg.dropout):
@@ -420,8 +466,8 @@ class FlashAttnFwdSm90(ForwardLoads):
                 tiled_mma_qk=tiled_mma_qk, tiled_mma_pv=tiled_mma_pv, tSrQ=tSrQ, tSrK=tSrK,
                 tOrVt=tOrVt, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, thr_qk=thr_qk, softmax=softmax,
                 pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx, m_block=m_block,
-                seqlen_q=seqlen_q, seqlen_k=seqlen_k, q_index=q_buffer,
-                pipeline_q=pipeline_q, q_state=q_state, mQ=mQ_gmem, mK=mK_gmem, head=head, batch=batch,
+                seqlen_q=seq.seqlen_q, seqlen_k=seq.seqlen_k, q_index=q_buffer,
+                pipeline_q=pipeline_q, q_state=q_state, mQ=mQ_seq, mK=mK_seq, head=head, batch=batch_idx,
                 window=window, softcap_pre=softcap_pre, alibi_slope=alibi_slope, rng=rng,
             )
             if n_block_max > n_block_min:
@@ -450,9 +496,11 @@ class FlashAttnFwdSm90(ForwardLoads):
                 # From values the compiler cannot see through, so that what the epilogue derives
                 # from them is not hoisted out of the tile loop (see __init__).
                 tidx_tile = opaque_i32(tidx)
-                m_block, head, batch, n_block_min, n_block_max, slot = self.scheduler.unit_work(
-                    opaque_i32(unit), seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
+                m_block, head, batch, n_block_min, n_block_max, slot, seq = self.scheduler.unit_work(
+                    opaque_i32(unit), seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window, varlen
                 )
+                mQ_seq, mK_seq, mO_seq, mLSE_seq, batch_idx = self.sequence_tensors(
+                    seq, batch, mQ_gmem, mK_gmem, mO_gmem, mLSE)
             tOcO_mn = reshape_acc_to_mn(
                 tiled_mma_pv.get_slice(tidx_tile).partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim)))
             )
@@ -462,8 +510,8 @@ class FlashAttnFwdSm90(ForwardLoads):
                 row_scale.store(row_scale.load() * dropout_args[3])
             softmax.rescale_O(acc_O, row_scale)
             if const_expr(self.cfg.o_from_registers):
-                store = partial(self.output.store_O_from_registers, acc_O, softmax.row_sum, tOcO_mn, tidx_tile, mO_gmem,
-                                mLSE, m_block, head, batch, seqlen_q)
+                store = partial(self.output.store_O_from_registers, acc_O, softmax.row_sum, tOcO_mn, tidx_tile, mO_seq,
+                                mLSE_seq, m_block, head, batch_idx, seq.seqlen_q)
             else:
                 # O through its own buffer, or through this tile's stage of Q's.
                 sO_tile = sO if const_expr(self.cfg.separate_o) else sO[None, None, q_buffer]
@@ -498,6 +546,15 @@ class FlashAttnFwdSm90(ForwardLoads):
             # sO must outlive the last store's read.
             if tidx % 128 < 32:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def sequence_tensors(self, seq, batch, mQ, mK, mO, mLSE):
+        """What the consumers address for a unit's sequence (unit_work's `seq`): Q, K, O, LSE
+        and the batch index into them. Dense, the kernel's tensors and `batch`; packed, each
+        from the sequence's first row on, at batch index 0 (their batch mode has size 1)."""
+        if const_expr(not self.cfg.varlen):
+            return mQ, mK, mO, mLSE, batch
+        return (rows_from(mQ, seq.offset_q, 0), rows_from(mK, seq.offset_k, 0), rows_from(mO, seq.offset_q, 0),
+                rows_from(mLSE, seq.offset_q, 2), 0)
 
     @cute.jit
     def mainloop(self, c, kv_state, n_block_min, n_block_max, block_ranges):

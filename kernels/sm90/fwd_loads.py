@@ -20,6 +20,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ..common.blocks import BlockRanges, kv_head
+from ..common.layouts import rows_from
 from .primitives import L2_EVICT_FIRST, L2_EVICT_LAST, acquire_empty, l2_hint
 from .tile_scheduler import SCHEDULE_STAGES
 
@@ -30,9 +31,11 @@ class ForwardLoads:
     @cute.jit
     def producer(
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
-        pipeline_q, pipeline_k, pipeline_v, split, sched, walk_plan, window,
+        pipeline_q, pipeline_k, pipeline_v, split, sched, walk_plan, window, varlen,
     ):
         seqlen_q, num_heads, num_batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
+        if const_expr(varlen is not None):
+            seqlen_q, num_batch = varlen.max_seqlen_q, varlen.num_batch
         block_ranges = BlockRanges(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stages * self.cfg.q_pieces)
@@ -46,7 +49,7 @@ class ForwardLoads:
         while unit < num_units:
             next_unit = self.scheduler.unit_of_round(round_idx + 1, walk_plan)
             n_block_min, n_block_max, (tQsQ, tQgQ), (tKsK, tKgK), (tVsV, tVgV) = self.tile_views(
-                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split, window
+                unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split, window, varlen
             )
             load_K = partial(self.load_block, tma_atom_K, tKgK, tKsK, pipeline_k)
             load_V = partial(self.load_block, tma_atom_V, tVgV, tVsV, pipeline_v)
@@ -88,14 +91,21 @@ class ForwardLoads:
             unit = next_unit
 
     def tile_views(self, unit, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt, block_ranges, split,
-                   window):
+                   window, varlen=None):
         """The K/V blocks [n_block_min, n_block_max) of one unit of the walk and the TMA (smem,
         gmem) views of its Q and of K, V by n_block."""
         seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
-        m_block, head, batch, n_block_min, n_block_max, _ = self.scheduler.unit_work(
-            unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window
+        if const_expr(varlen is not None):
+            seqlen_q, num_batch = varlen.max_seqlen_q, varlen.num_batch
+        m_block, head, batch, n_block_min, n_block_max, _, seq = self.scheduler.unit_work(
+            unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window, varlen
         )
         head_kv = kv_head(head, num_heads, mK.shape[2])
+        if const_expr(varlen is not None):
+            # The packed tensors from this sequence's first rows on (batch mode of size 1). TMA
+            # reads past the sequence's last row into the next one's: masked keys, unstored rows.
+            mQ, mK, mVt = rows_from(mQ, seq.offset_q, 0), rows_from(mK, seq.offset_k, 0), rows_from(mVt, seq.offset_k, 1)
+            batch = 0
         # Q by pieces of a tile's rows (q_by_group), smem (rows, d, piece, stage), gmem (rows, d, piece).
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.cfg.q_piece_rows, self.cfg.head_dim), (None, 0))
         gQ = cute.local_tile(gQ, (self.cfg.q_piece_rows, self.cfg.head_dim, self.cfg.q_pieces), (0, 0, m_block))

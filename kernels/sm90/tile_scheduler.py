@@ -7,7 +7,7 @@ the plan in the producer warp and the consumer warp groups alike:
 
     unit = scheduler.unit_of_round(0, walk_plan)           # or, dynamic: the first one published
     while unit < scheduler.num_units(...):
-        m_block, head, batch, n_block_min, n_block_max, slot = scheduler.unit_work(unit, ...)
+        m_block, head, batch, n_block_min, n_block_max, slot, seq = scheduler.unit_work(unit, ...)
         ...
         unit = next: unit_of_round(round + 1) (static walk, snake or turned rounds; planned tail
                rounds from walk_plan) or, with the dynamic schedule, the producer's
@@ -26,7 +26,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
+from types import SimpleNamespace
+
 from ..common.blocks import BlockRanges
+from ..common.layouts import sequence_bounds
 from .config import Sm90FwdConfig
 from .primitives import acquire_empty, wait_full
 
@@ -354,13 +357,19 @@ class TileScheduler:
 
     @cute.jit
     def unit_work(self, unit: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32, num_batch: Int32,
-                  block_ranges: BlockRanges, split, window=None):
+                  block_ranges: BlockRanges, split, window=None, varlen=None):
         """What unit `unit` of the walk computes: (m_block, head, batch), the K/V blocks
-        [n_block_min, n_block_max) and its workspace `slot`, -1 for a whole tile. After the
+        [n_block_min, n_block_max), its workspace `slot`, -1 for a whole tile, and `seq`, its
+        sequence's seqlen_q, seqlen_k and first packed rows offset_q, offset_k. After the
         split.whole_tiles whole tiles come split.units pieces of the tiles after them, piece i in
         slot i, its tile and blocks in row i of the tail plan (TailPlan). With a sliding window
         ((left, right), config.window), the blocks some row of the tile sees; the producer and the
-        consumers both take the range from here, so they agree on every block."""
+        consumers both take the range from here, so they agree on every block.
+
+        A dense batch's sequences are the kernel's (offsets None). A packed one (`varlen`: its
+        cu_seqlens, config.varlen) walks every sequence's tiles at the count of the longest
+        (seqlen_q is max_seqlen_q here); a tile past its own sequence's end gets no blocks, and
+        its rows, all past seqlen_q, are never stored."""
         tile = unit
         slot = Int32(-1)
         plan = self.tail_plan_words(split) if const_expr(self.cfg.splits_tail) else None
@@ -369,6 +378,11 @@ class TileScheduler:
                 slot = unit - split.whole_tiles
                 tile = plan[slot * TailPlan.UNIT_WORDS]
         m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
+        seq = SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=None, offset_k=None)
+        if const_expr(varlen is not None):
+            offset_q, seqlen_q = sequence_bounds(varlen.mCuSeqlensQ, batch)
+            offset_k, seqlen_k = sequence_bounds(varlen.mCuSeqlensK, batch)
+            seq = SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=offset_q, offset_k=offset_k)
         if const_expr(window is not None):
             n_block_min, n_block_max = block_ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
             # A tile whose rows see no key still runs one block, fully masked (out = 0, lse = -inf),
@@ -381,5 +395,8 @@ class TileScheduler:
         if const_expr(self.cfg.splits_tail):
             if slot >= 0:
                 n_block_min, n_block_max = plan[slot * TailPlan.UNIT_WORDS + 1], plan[slot * TailPlan.UNIT_WORDS + 2]
-        return m_block, head, batch, n_block_min, n_block_max, slot
+        if const_expr(varlen is not None):
+            if m_block * self.cfg.tile_m >= seqlen_q:
+                n_block_max = n_block_min
+        return m_block, head, batch, n_block_min, n_block_max, slot, seq
 

@@ -1,7 +1,8 @@
 """Packed variable-length batches on the GPU (flash_attn_varlen_func, cute_flash.varlen): forward and
 backward, sequence by sequence, against the float64 reference on each unpacked sequence within the
-yardstick (tests/gpu/common.py). Every varlen call runs the sm80 kernels' `call_varlen` entry points,
-on the H100 too.
+yardstick (tests/gpu/common.py). The forward runs the family's `call_varlen` entry point (the
+Hopper forward where it serves the dtype and head dim; the sm80 forward too, forced, on every GPU),
+the backward the sm80 kernels' on every GPU.
 
 Batches hold sequences of length 0 and 1, ragged lengths up to 4k, seqlen_q != seqlen_k per
 sequence, a sequence with queries and no keys, and rows before the first sequence (cu_seqlens[0] > 0)
@@ -17,7 +18,7 @@ import torch
 import cute_flash
 from cute_flash import varlen
 
-from .common import assert_backward_accurate, assert_forward_accurate, randn, served_by
+from .common import assert_backward_accurate, assert_forward_accurate, expected_forward_family, randn, served_by
 
 pytestmark = pytest.mark.gpu
 
@@ -70,9 +71,9 @@ def check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods):
 
 
 def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **mods):
-    """forward_varlen, then backward_varlen into NaN-poisoned gradients (rows before the first
-    sequence poisoned with 7: they must keep it), both on the sm80 kernels."""
-    with served_by("sm80"):
+    """forward_varlen on the family dispatch promises, then backward_varlen (the sm80 kernels) into
+    NaN-poisoned gradients (rows before the first sequence poisoned with 7: they must keep it)."""
+    with served_by(expected_forward_family(q.shape[-1], q.dtype)):
         out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **mods)
     grads = []
     for t in (q, k, v):
@@ -89,12 +90,40 @@ def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **
     return out, lse, grads
 
 
+@pytest.fixture(params=["dispatch", "sm80"])
+def forward_family(request, monkeypatch):
+    """The family dispatch picks, and the sm80 kernels forced (on a Hopper GPU, their varlen
+    forward would otherwise go untested)."""
+    if request.param == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-h{c[2]}/{c[3]}")
-def test_varlen(config, causal):
+def test_varlen(config, causal, forward_family):
     q, k, v, dout, cu_q, cu_k, max_q, max_k = batch(config)
     out, lse, grads = run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal)
     check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("head_dim", [96, 192, 256])
+def test_varlen_forward_head_dims(head_dim, causal):
+    """The forward alone at the head dims CONFIGS leave out (each its own Hopper configuration)."""
+    q, k, v, _, cu_q, cu_k, max_q, max_k = batch((torch.bfloat16, head_dim, 2, 1))
+    with served_by(expected_forward_family(head_dim, q.dtype)):
+        out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+    for b, rows_q, rows_k in sequences(cu_q, cu_k):
+        if rows_q.start == rows_q.stop:
+            continue
+        if rows_k.start == rows_k.stop:
+            assert torch.all(out[rows_q] == 0) and torch.all(torch.isneginf(lse[:, rows_q]))
+            continue
+        assert_forward_accurate(out[rows_q][None], lse[:, rows_q][None], q[rows_q][None], k[rows_k][None],
+                                v[rows_k][None], causal)
 
 
 def test_varlen_fp32():
@@ -132,8 +161,9 @@ def test_flash_attn_varlen_func_autograd_and_compile():
         return cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True, (-1, -1), 0.0,
                                                  None, True, True)
 
-    with served_by("sm80"):
+    with served_by(expected_forward_family(q.shape[-1], q.dtype)):
         out, lse, probs = step(*leaves)
+    with served_by("sm80"):
         out.backward(dout)
     assert probs is None
     grads = [t.grad for t in leaves]
@@ -181,6 +211,8 @@ def _jobs():
     cases = [(config, causal, {}, False) for config in CONFIGS for causal in (False, True)]
     cases += [((torch.float32, 64, 2, 1), True, {}, False), ((torch.float16, 64, 2, 2), True, {}, False),
               (CONFIGS[0], True, {}, True)]
+    cases += [((torch.bfloat16, head_dim, 2, 1), causal, {}, False) for head_dim in (96, 192, 256)
+              for causal in (False, True)]
     every = dict(window_size=(96, 33), softcap=20.0, alibi_slopes=True)
     cases += [(CONFIGS[0], causal, every, False) for causal in (False, True)]
     for (dtype, head_dim, nheads, nheads_kv), causal, mods, det in cases:
@@ -196,7 +228,8 @@ def _compile(job):
     dtype, head_dim, causal, flags, det, gqa = job
     dtype = getattr(torch, dtype.split(".")[-1])
     capability = torch.cuda.get_device_capability()
-    plans = [dispatch.plan_forward(capability, dtype, head_dim, causal, mods=flags, varlen=True)]
+    plans = [dispatch.plan_forward(capability, dtype, head_dim, causal, mods=flags, varlen=True, family=family)
+             for family in (None, "sm80")]
     backward = dispatch.plan_backward(capability, dtype, head_dim, causal, det, gqa, mods=flags, varlen=True)
     for plan in plans + [backward.pre, backward.main, backward.post]:
         plan.compiled()
