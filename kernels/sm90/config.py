@@ -105,7 +105,9 @@ class Sm90FwdConfig:
             prefetch_next=prefetch_next and persistent and not dynamic_schedule,
             recompute_epilogue=recompute_epilogue and persistent,
             o_from_registers=o_from_registers,
-            release_q_early=release_q_early and o_from_registers,
+            # With its own O buffer Q is released after the mainloop anyway (a second release would
+            # run the pipeline out of step).
+            release_q_early=release_q_early and o_from_registers and not plain.separate_o,
             wg_tma_store=wg_tma_store and wg_epilogue and not o_from_registers,
             q_by_group=q_by_group and (wg_epilogue or plain.separate_o or o_from_registers),
         )
