@@ -1,7 +1,9 @@
-"""The sm80 kernels' packed variable-length variants (config.varlen, the `call_varlen` entry points)
-compile without a GPU to the instructions they are built from, without spills, through the plans
-dispatch makes for them on every GPU. The dense kernels' PTX is unchanged by the switch
-(scripts/ptx-hashes.py; docs/kernels/sm80-forward.md)."""
+"""The packed variable-length variants (config.varlen, the `call_varlen` entry points) compile
+without a GPU to the instructions they are built from, without spills, through the plans dispatch
+makes for them: the Hopper forward on sm_90 (every head dim it serves, causal or not, with score
+modifications), the sm80 forward elsewhere and for fp32, the sm80 backward on every GPU. The dense
+kernels' PTX is unchanged by the switch (scripts/ptx-hashes.py; docs/kernels/sm80-forward.md,
+docs/kernels/sm90-forward.md)."""
 
 import pytest
 import torch
@@ -11,7 +13,6 @@ from cute_flash.compile_report import compile_report
 
 # (pass, mods (window, softcap, alibi), dtype, head dim, causal, deterministic, gqa, capability)
 VARIANTS = [
-    ("fwd", (False, False, False), torch.bfloat16, 128, True, False, False, (9, 0)),
     ("fwd", (True, True, False), torch.float16, 64, False, False, False, (8, 0)),
     ("fwd", (False, False, False), torch.float32, 128, False, False, False, (8, 0)),
     ("bwd", (False, False, False), torch.bfloat16, 128, True, False, False, (9, 0)),
@@ -26,8 +27,8 @@ def _id(v):
            f"{'-gqa' if v[6] else ''}-sm{v[7][0]}0"
 
 
-def _check(plan, mma):
-    assert plan.family == "sm80" and plan.entry == "call_varlen" and plan.config.varlen
+def _check(plan, mma, family="sm80"):
+    assert plan.family == family and plan.entry == "call_varlen" and plan.config.varlen
     kernel, args = plan.build()
     report = compile_report(kernel, args, arch=plan.arch)
     assert report.spill_bytes == 0, \
@@ -43,7 +44,7 @@ def test_varlen_kernels_compile_without_spills(variant):
     mma = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" if dtype is torch.float32 else \
         "mma.sync.aligned.m16n8k16.row.col.f32"
     if pass_name == "fwd":
-        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, family="sm90", num_sms=132, mods=mods,
+        plan = dispatch.plan_forward(capability, dtype, head_dim, causal, num_sms=132, mods=mods,
                                      varlen=True)
         report = _check(plan, mma)
         assert "cp.async.cg.shared.global" in report.ptx and "ex2.approx" in report.ptx
@@ -56,11 +57,39 @@ def test_varlen_kernels_compile_without_spills(variant):
     _check(plans.post, None)
 
 
+# The Hopper forward: (mods (window, softcap, alibi), dtype, head dim, causal)
+HOPPER_FORWARD_VARIANTS = [
+    ((False, False, False), torch.bfloat16, 128, False),
+    ((False, False, False), torch.bfloat16, 128, True),
+    ((True, True, False), torch.float16, 64, False),
+    ((False, False, True), torch.bfloat16, 96, True),
+    ((False, False, False), torch.bfloat16, 192, False),
+    ((False, True, False), torch.float16, 256, True),
+]
+
+
+@pytest.mark.parametrize("variant", HOPPER_FORWARD_VARIANTS,
+                         ids=lambda v: _id(("fwd", v[0], v[1], v[2], v[3], False, False, (9, 0))))
+def test_hopper_varlen_forward_compiles_without_spills(variant):
+    """wgmma and TMA loads as the dense kernel; O leaves from registers (st.global, no TMA store:
+    a box would cross into the next sequence's rows); the sequence bounds are read from cu_seqlens."""
+    mods, dtype, head_dim, causal = variant
+    plan = dispatch.plan_forward((9, 0), dtype, head_dim, causal, family="sm90", num_sms=132, mods=mods, varlen=True)
+    report = _check(plan, "wgmma.mma_async", family="sm90")
+    assert plan.config.o_from_registers and not plan.config.splits_tail and not plan.config.planned_tail
+    assert "cp.async.bulk.tensor" in report.ptx and "global.shared" not in report.ptx
+    assert "st.global.v4" in report.ptx
+
+
 def test_dense_plans_keep_their_entries():
     assert dispatch.plan_forward((8, 0), torch.bfloat16, 128, True, family="sm80").entry is None
     dense = dispatch.plan_backward((8, 0), torch.bfloat16, 128, True, family="sm80")
     assert (dense.pre.entry, dense.main.entry, dense.post.entry) == (None, None, None)
     assert not dense.main.config.varlen and not dense.pre.config.varlen and not dense.post.config.varlen
-    # varlen routes to the sm80 family on Hopper too
+    # the Hopper forward serves varlen at its dtypes and head dims; fp32 and other head dims the sm80
     assert dispatch.plan_forward((9, 0), torch.bfloat16, 128, False, family="sm90", num_sms=132,
+                                 varlen=True).family == "sm90"
+    assert dispatch.plan_forward((9, 0), torch.float32, 128, False, family="sm90", num_sms=132,
+                                 varlen=True).family == "sm80"
+    assert dispatch.plan_forward((9, 0), torch.bfloat16, 72, False, family="sm90", num_sms=132,
                                  varlen=True).family == "sm80"
