@@ -211,7 +211,8 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     own target, whose register allocation the tiles depend on), whose main kernel writes
     per-query-head fp32 dK / dV under GQA that the launcher sums per group. Both share the sm80
     preprocess. `family`, `mods` and `varlen` as for plan_forward (the Hopper backward takes a
-    window and ALiBi through its `call_with_mods`; the sm80 family serves every `mods` and
+    window, softcap and ALiBi through its `call_with_mods` and a packed batch through the main
+    kernel's and its postprocess's `call_varlen`; the sm80 family serves every `mods` and
     `varlen`: its three kernels' `call_varlen` entry points; `dropout` its main kernel's
     `call_with_mods`, dense batches only)."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
@@ -229,26 +230,32 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
         pre_args = pre_args[:-1] + (fake_int32_vector(), cutlass.Int32(1)) + pre_args[-1:]
     pre = Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim, varlen), pre_args, arch,
                entry="call_varlen" if varlen else None)
-    if (family or kernel_family(capability)) == "sm90" and not varlen and not dropout:
+    if (family or kernel_family(capability)) == "sm90" and not dropout:
         from .kernels.sm90.bwd import FlashAttnBwdSm90
         from .kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
         from .kernels.sm90.config import Sm90BwdPostConfig, backward_config
 
         _mod_fields(causal, mods)  # a causal window is refused here as for the forward
-        config = backward_config(cdtype, head_dim, causal, deterministic, *mods)
+        config = backward_config(cdtype, head_dim, causal, deterministic, *mods, varlen=varlen)
         if config is not None:
             # The row statistics are the launcher's padded buffers, which the Hopper kernel reads by TMA.
             main_args = _backward_main_args(cdtype, head_dim, cdtype, stat_align=16)
-            main = Plan(FlashAttnBwdSm90, config, main_args, arch)
-            if mods != NO_MODS:
-                main = Plan(FlashAttnBwdSm90, config, main_args[:-1] + fake_score_mods(*mods) + main_args[-1:], arch,
-                            entry="call_with_mods")
-            return BackwardPlan(
-                pre=pre, main=main,
-                post=Plan(FlashAttnBwdPostprocessSm90, Sm90BwdPostConfig(cdtype, head_dim, config.m_block_size),
-                          post_args, arch),
-                gqa=False, deterministic=deterministic, takes_dropout=False,
-            )
+            post_config = Sm90BwdPostConfig(cdtype, head_dim, config.m_block_size, varlen)
+            if varlen:  # as the sm80 kernels' call_varlen below
+                main = Plan(FlashAttnBwdSm90, config, main_args[:10] + (
+                    fake_int32_vector(), fake_int32_vector(), cutlass.Int32(1)) + main_args[10:-1]
+                    + fake_score_mods(*mods) + main_args[-1:], arch, entry="call_varlen")
+                post = Plan(FlashAttnBwdPostprocessSm90, post_config,
+                            post_args[:2] + (fake_int32_vector(), cutlass.Int32(1)) + post_args[2:], arch,
+                            entry="call_varlen")
+            else:
+                main = Plan(FlashAttnBwdSm90, config, main_args, arch)
+                if mods != NO_MODS:
+                    main = Plan(FlashAttnBwdSm90, config, main_args[:-1] + fake_score_mods(*mods) + main_args[-1:],
+                                arch, entry="call_with_mods")
+                post = Plan(FlashAttnBwdPostprocessSm90, post_config, post_args, arch)
+            return BackwardPlan(pre=pre, main=main, post=post, gqa=False, deterministic=deterministic,
+                                takes_dropout=False)
     tiles = bwd_default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)

@@ -227,7 +227,8 @@ def backward_varlen_launcher(plan: BackwardPlan) -> Callable:
         total_k, nheads_kv = k.shape[0], k.shape[1]
         batch = cu_seqlens_q.shape[0] - 1
         device, f32 = q.device, torch.float32
-        rows = total_q + STAT_ROW_PAD * batch
+        # Rounded up so that the rows' stride suits a TMA descriptor (the Hopper kernel's loads).
+        rows = round_up(total_q + STAT_ROW_PAD * batch, STAT_ROW_PAD)
         lse_log2 = torch.empty(1, nheads, rows, dtype=f32, device=device)
         dpsum = torch.empty(1, nheads, rows, dtype=f32, device=device)
         dq_accum = torch.zeros(1, nheads, rows * round_up(head_dim, 32), dtype=f32, device=device)

@@ -35,6 +35,8 @@ they add nothing to dQ, and their dK, dV rows are never stored. The postprocess
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -50,11 +52,13 @@ from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
-from ..common.layouts import reshape_acc_to_mn, transpose_view
+from ..common.layouts import (
+    gmem_tiled_copy, packed_stat_offset, reshape_acc_to_mn, rows_from, sequence_bounds, transpose_view,
+)
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E
-from ..common.stores import stage_acc_in_smem
+from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
 from .primitives import gemm
 
@@ -163,8 +167,40 @@ class FlashAttnBwdSm90:
                     window_left, window_right, softcap, mAlibiSlopes, stream)
 
     @cute.jit
+    def call_varlen(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSElog2: cute.Tensor,
+        mdPsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mdQsemaphore: cute.Tensor,
+        mCuSeqlensQ: cute.Tensor,
+        mCuSeqlensK: cute.Tensor,
+        max_seqlen_k: Int32,
+        softmax_scale: Float32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """A packed variable-length batch (config.varlen), in the sm80 backward's `call_varlen`
+        order: q, k, v, dO, dK, dV packed (1, total, heads, d); the statistics and dQ's sums per
+        sequence at kernels/common/layouts.py: packed_stat_offset (rows padded to STAT_ROW_PAD,
+        the preprocess's `call_varlen` layout); mdQsemaphore (batch, heads, m_blocks of the
+        longest sequence); max_seqlen_k sizes the grid. Modifications as call_with_mods."""
+        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
+                    window_left, window_right, softcap, mAlibiSlopes, stream,
+                    varlen_args=(mCuSeqlensQ, mCuSeqlensK, max_seqlen_k))
+
+    @cute.jit
     def launch(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale: Float32,
-               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream):
+               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream, varlen_args=(None,) * 3):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch); row statistics -> (rows, heads, batch).
@@ -223,6 +259,13 @@ class FlashAttnBwdSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
 
         grid = (cute.ceil_div(mK.shape[0], n), mK.shape[2], mK.shape[3])
+        varlen_kwargs = {}
+        if const_expr(cfg.varlen):
+            # One CTA row per key block of the longest sequence; dK, dV leave by plain stores
+            # (a TMA box would cross into the next sequence's rows).
+            mCuSeqlensQ, mCuSeqlensK, max_seqlen_k = varlen_args
+            grid = (cute.ceil_div(max_seqlen_k, n), mK.shape[2], mCuSeqlensQ.shape[0] - 1)
+            varlen_kwargs = dict(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mdK_rows=mdK, mdV_rows=mdV)
         # P's exponent runs at scale softcap with softcap (the forward's parametrization)
         score_scale, mods = kernel_mod_args(cfg.window, cfg.softcap, cfg.alibi, softmax_scale, window_left,
                                             window_right, softcap, mAlibiSlopes)
@@ -231,7 +274,7 @@ class FlashAttnBwdSm90:
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
             mdQaccum, mdQsemaphore, softmax_scale, score_scale * Float32(LOG2_E),
             tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, sQ_layout, sK_layout, sdS_layout, stat_layout, SharedStorage,
-            **mods,
+            **mods, **varlen_kwargs,
         ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
@@ -247,6 +290,8 @@ class FlashAttnBwdSm90:
         stat_layout: cute.Layout, SharedStorage: cutlass.Constexpr,
         window_left: Int32 | None = None, window_right: Int32 | None = None, softcap_pre: Float32 | None = None,
         mAlibiSlopes: cute.Tensor | None = None, alibi_scale: Float32 | None = None,
+        mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
+        mdK_rows: cute.Tensor | None = None, mdV_rows: cute.Tensor | None = None,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -286,22 +331,60 @@ class FlashAttnBwdSm90:
         )
         window = (window_left, window_right) if const_expr(cfg.window) else None
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        # The batch index into the tensors (0 in packed ones, whose views start at the sequence).
+        tensor_batch = batch
+        dkv_rows = None
+        if const_expr(cfg.varlen):
+            offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
+            offset_k, seqlen_k = sequence_bounds(mCuSeqlensK, batch)
+            stat_offset = packed_stat_offset(offset_q, batch)
+            mQ, mdO = rows_from(mQ, offset_q, 0), rows_from(mdO, offset_q, 0)
+            mK, mV = rows_from(mK, offset_k, 0), rows_from(mV, offset_k, 0)
+            mLSE, mdPsum = rows_from(mLSE, stat_offset, 0), rows_from(mdPsum, stat_offset, 0)
+            mdQaccum = rows_from(mdQaccum, stat_offset * cfg.head_dim, 2)
+            # Kernel parameters until the epilogue, where the sequence's rows are found again: views
+            # made here would hold their offsets and strides in registers through the main loop.
+            dkv_rows = SimpleNamespace(mdK=mdK_rows, mdV=mdV_rows, mCuSeqlensK=mCuSeqlensK, batch=batch)
+            tensor_batch = 0
         walk = self.query_walk(n_block, head_kv, seqlen_q, seqlen_k, mQ.shape[2], mK.shape[2], window)
 
+        roles = partial(
+            self.roles, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
+            tma_atom_dPsum, mdPsum, tma_atom_dK, mdK, tma_atom_dV, mdV, mdQaccum, mdQsemaphore, s, pipeline_kv,
+            pipeline_q, pipeline_do, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, walk, n_block, head_kv, batch,
+            tensor_batch, seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, window, softcap_pre, mAlibiSlopes,
+            alibi_scale, dkv_rows, warp_idx, tidx,
+        )
+        if const_expr(cfg.varlen):
+            # The grid covers the longest sequence's key blocks: a CTA past its own does nothing.
+            if n_block * cfg.n_block_size < seqlen_k:
+                roles()
+        else:
+            roles()
+
+    @cute.jit
+    def roles(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
+              tma_atom_dPsum, mdPsum, tma_atom_dK, mdK, tma_atom_dV, mdV, mdQaccum, mdQsemaphore, s, pipeline_kv,
+              pipeline_q, pipeline_do, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, walk, n_block, head_kv, batch,
+              tensor_batch, seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, window, softcap_pre, mAlibiSlopes,
+              alibi_scale, dkv_rows, warp_idx, tidx):
+        """The warp groups' roles: producer (warp 0), dQ writer (warp 1), the MMA consumers."""
+        cfg = self.cfg
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(cfg.register_split[0])
             if warp_idx == 0:
                 self.producer(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
                               tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do,
-                              walk, n_block, head_kv, batch)
+                              walk, n_block, head_kv, tensor_batch)
             if warp_idx == 1:
-                self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch, seqlen_q, seqlen_k, window)
+                self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch, tensor_batch, seqlen_q,
+                               seqlen_k, window)
         else:
             cute.arch.setmaxregister_increase(cfg.register_split[1])
             self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
-                          tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch,
+                          tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch,
                           seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
-                          softcap_pre, mAlibiSlopes, alibi_scale)
+                          softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows)
 
     @cute.jit
     def query_walk(self, n_block: Int32, head_kv: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
@@ -371,7 +454,7 @@ class FlashAttnBwdSm90:
                                      cute.group_modes(gX, 0, rank))
 
     @cute.jit
-    def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch, seqlen_q, seqlen_k, window):
+    def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch, tensor_batch, seqlen_q, seqlen_k, window):
         """Warp 1: each query block's dQ, staged in smem by the MMA warp groups, added to its fp32
         sums in global memory with one bulk reduce. With `deterministic` the key blocks of a query
         block add in n_block order: wait for the semaphore to reach n_block (counted from the
@@ -396,7 +479,7 @@ class FlashAttnBwdSm90:
                         pass
             cute.arch.barrier(barrier_id=DQ_FULL_BARRIER, number_of_threads=sync_threads)
             if lane == 0:
-                gdQaccum = cute.local_tile(mdQaccum[batch, head, None], (tile_elems,), (m_block,))
+                gdQaccum = cute.local_tile(mdQaccum[tensor_batch, head, None], (tile_elems,), (m_block,))
                 cp_reduce_async_bulk_global_shared_cta(gdQaccum.iterator, sdQ.iterator, tile_elems * 4,
                                                        type=CpReduceType.F32)
                 cute.arch.cp_async_bulk_commit_group()
@@ -411,8 +494,8 @@ class FlashAttnBwdSm90:
 
     @cute.jit
     def consumer(self, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
-                 tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, seqlen_q, seqlen_k,
-                 softmax_scale, softmax_scale_log2, tidx, window, softcap_pre, mAlibiSlopes, alibi_scale):
+                 tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch, seqlen_q, seqlen_k,
+                 softmax_scale, softmax_scale_log2, tidx, window, softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -455,6 +538,8 @@ class FlashAttnBwdSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipeline_kv.consumer_wait(kv_state)
+        if const_expr(cfg.varlen):
+            self.zero_keys_past_end(s.sK[None, None, 0], seqlen_k - n_block * n, tidx)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.q_stages)
         for i in cutlass.range(walk.steps, unroll=1):
             head, m_block = self.step(walk, i)
@@ -464,7 +549,24 @@ class FlashAttnBwdSm90:
             self.one_block(c, q_state, head, m_block, needs_mask)
             q_state.advance()
 
-        self.store_dKV(c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, batch, softmax_scale, tidx)
+        self.store_dKV(c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, tensor_batch, softmax_scale, tidx,
+                       dkv_rows)
+
+    @cute.jit
+    def zero_keys_past_end(self, sK_tile: cute.Tensor, keys_left: Int32, tidx: Int32):
+        """Packed batches: K's rows past the sequence's last key hold the next sequence's keys
+        (a dense batch's TMA reads zeros there). Zeroed, they add nothing to dQ = dS K, as in the
+        dense case; their dK and dV rows are never stored."""
+        n, d = self.cfg.n_block_size, self.cfg.head_dim
+        if keys_left < n:
+            for i in cutlass.range(n * d // self.cfg.num_mma_threads, unroll=1):
+                idx = tidx + i * self.cfg.num_mma_threads
+                row = idx // d
+                if row >= keys_left:
+                    sK_tile[row, idx - row * d] = sK_tile.element_type(0)
+            # The wgmma reads of K (the async proxy) must see these writes, in both warp groups.
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
 
     @cute.jit
     def one_block(self, c: SimpleNamespace, q_state, head: Int32, m_block: Int32, needs_mask):
@@ -584,8 +686,11 @@ class FlashAttnBwdSm90:
                     acc_S_mn[r, j] = -Float32.inf
 
     @cute.jit
-    def store_dKV(self, c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, batch, softmax_scale, tidx):
-        """dK (scaled) and dV through K's and V's smem, stored by TMA (rows past seqlen_k clipped)."""
+    def store_dKV(self, c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, batch, softmax_scale, tidx,
+                  dkv_rows=None):
+        """dK (scaled) and dV through K's and V's smem, stored by TMA (rows past seqlen_k clipped),
+        or, packed (`dkv_rows`: the packed dK, dV and where the sequence starts), by 16-byte stores
+        that stop at its last key."""
         n, d = self.cfg.n_block_size, self.cfg.head_dim
         c.acc_dK.store(c.acc_dK.load() * softmax_scale)
         # Both groups' last dQ GEMMs read all of K: wait for them before overwriting it.
@@ -594,9 +699,17 @@ class FlashAttnBwdSm90:
         stage_acc_in_smem(c.acc_dK, s.sK[None, None, 0], c.tiled_mma_dKV, tidx)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
-        if tidx < 32:
-            for atom, mX, sX in ((tma_atom_dV, mdV, s.sV), (tma_atom_dK, mdK, s.sK)):
-                tXsX, tXgX = self.tma_views(atom, mX, sX, (n, d), n_block, head_kv, batch)
-                cute.copy(atom, tXsX[None, 0], tXgX)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(dkv_rows is not None):
+            s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, self.cfg.num_mma_threads,
+                                  math.gcd(d, 64))
+            offset_k, seqlen_k = sequence_bounds(dkv_rows.mCuSeqlensK, dkv_rows.batch)
+            for mX, sX in ((dkv_rows.mdV, s.sV), (dkv_rows.mdK, s.sK)):
+                gX = cute.local_tile(rows_from(mX, offset_k, 0)[None, None, head_kv, 0], (n, d), (n_block, 0))
+                store_smem_tile(sX[None, None, 0], gX, s2g, seqlen_k - n_block * n, d, tidx)
+        else:
+            if tidx < 32:
+                for atom, mX, sX in ((tma_atom_dV, mdV, s.sV), (tma_atom_dK, mdK, s.sK)):
+                    tXsX, tXgX = self.tma_views(atom, mX, sX, (n, d), n_block, head_kv, batch)
+                    cute.copy(atom, tXsX[None, 0], tXgX)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

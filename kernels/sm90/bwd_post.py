@@ -16,9 +16,11 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
 
-from ..common.layouts import VECTOR_BITS, gmem_tiled_copy, smem_layout_atom
+from ..common.layouts import (
+    VECTOR_BITS, gmem_tiled_copy, packed_stat_offset, rows_from, sequence_bounds, smem_layout_atom,
+)
 from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .bwd import dq_staging_view, dq_swizzle_columns, dq_tiled_mma
 from .config import Sm90BwdConfig, Sm90BwdPostConfig
@@ -32,6 +34,17 @@ class FlashAttnBwdPostprocessSm90:
 
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, stream: cuda.CUstream):
+        self.launch(mdQaccum, mdQ, softmax_scale, stream)
+
+    @cute.jit
+    def call_varlen(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, mCuSeqlensQ: cute.Tensor, max_seqlen_q: Int32,
+                    softmax_scale: Float32, stream: cuda.CUstream):
+        """Packed sequences (config.varlen): mdQ (1, total_q, heads, d); sequence b's sums start at
+        row packed_stat_offset(cu_seqlens_q[b], b) of mdQaccum (1, heads, rows * d)."""
+        self.launch(mdQaccum, mdQ, softmax_scale, stream, (mCuSeqlensQ, max_seqlen_q))
+
+    @cute.jit
+    def launch(self, mdQaccum, mdQ, softmax_scale: Float32, stream: cuda.CUstream, varlen_args=(None, None)):
         m, d = self.cfg.m_block_size, self.cfg.head_dim
         atom = smem_layout_atom(self.cfg.dtype, dq_swizzle_columns(self.cfg))
         sdQ_layout = cute.tile_to_shape(atom, (m, d), (0, 1))
@@ -46,16 +59,36 @@ class FlashAttnBwdPostprocessSm90:
             sdQ: cute.struct.Align[cute.struct.MemRange[self.cfg.dtype, cute.cosize(sdQ_layout)], 1024]
 
         grid = (cute.ceil_div(mdQ.shape[1], m), mdQ.shape[2], mdQ.shape[0])
-        self.kernel(mdQaccum, mdQ, softmax_scale, dq_tiled_mma(self.cfg), s2g, sdQ_layout, SharedStorage).launch(
+        mCuSeqlensQ, max_seqlen_q = varlen_args
+        if const_expr(self.cfg.varlen):
+            grid = (cute.ceil_div(max_seqlen_q, m), mdQ.shape[2], mCuSeqlensQ.shape[0] - 1)
+        self.kernel(mdQaccum, mdQ, softmax_scale, dq_tiled_mma(self.cfg), s2g, sdQ_layout, SharedStorage,
+                    mCuSeqlensQ).launch(
             grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
         )
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, softmax_scale: Float32, tiled_mma: cute.TiledMma,
-               s2g: cute.TiledCopy, sdQ_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr):
+               s2g: cute.TiledCopy, sdQ_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
+               mCuSeqlensQ: cute.Tensor | None):
+        m_block, head, batch = cute.arch.block_idx()
+        if const_expr(self.cfg.varlen):
+            offset, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
+            # the grid covers the longest sequence: blocks past this one's end store nothing
+            if m_block * self.cfg.m_block_size < seqlen_q:
+                self.block(rows_from(mdQaccum, packed_stat_offset(offset, batch) * self.cfg.head_dim, 2),
+                           rows_from(mdQ, offset, 1), softmax_scale, tiled_mma, s2g, sdQ_layout, SharedStorage,
+                           m_block, head, 0, seqlen_q)
+        else:
+            self.block(mdQaccum, mdQ, softmax_scale, tiled_mma, s2g, sdQ_layout, SharedStorage, m_block, head, batch,
+                       mdQ.shape[1])
+
+    @cute.jit
+    def block(self, mdQaccum, mdQ, softmax_scale, tiled_mma, s2g, sdQ_layout, SharedStorage: cutlass.Constexpr,
+              m_block, head, batch, seqlen_q):
+        """Query block m_block of (head, batch): its sums scaled, converted and stored up to seqlen_q."""
         m, d = self.cfg.m_block_size, self.cfg.head_dim
         tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
         sdQ = cutlass.memory.SmemAllocator().allocate(SharedStorage).sdQ.get_tensor(sdQ_layout)
         thr_mma = tiled_mma.get_slice(tidx)
         acc = thr_mma.make_fragment_C(thr_mma.partition_shape_C((m, d)))
@@ -67,4 +100,4 @@ class FlashAttnBwdPostprocessSm90:
         stage_acc_in_smem(acc, sdQ, tiled_mma, tidx)
         cute.arch.barrier()
         gdQ = cute.local_tile(mdQ[batch, None, head, None], (m, d), (m_block, 0))
-        store_smem_tile(sdQ, gdQ, s2g, mdQ.shape[1] - m_block * m, d, tidx)
+        store_smem_tile(sdQ, gdQ, s2g, seqlen_q - m_block * m, d, tidx)

@@ -327,6 +327,8 @@ class Sm90BwdConfig:
     window: bool = False  # sliding window (its sides arrive at call time: call_with_mods)
     alibi: bool = False  # ALiBi bias (slopes at call time)
     softcap: bool = False  # scores capped by softcap * tanh (the cap at call time)
+    # Packed variable-length batches (`call_varlen`): bounds from cu_seqlens, dK / dV by plain stores.
+    varlen: bool = False
     m_block_size: int = 64  # query rows per step
     n_block_size: int = 128  # keys per CTA: 64 per MMA warp group
     q_stages: int = 2  # Q (with its LSE) and dO (with its D) buffers in flight
@@ -357,6 +359,7 @@ class Sm90BwdPostConfig:
     dtype: type[cutlass.Numeric]
     head_dim: int
     m_block_size: int
+    varlen: bool = False  # packed sequences (`call_varlen`): dQ's sums at packed_stat_offset
 
 
 def dq_atom_layout(m_block_size: int) -> tuple[int, int, int]:
@@ -373,7 +376,7 @@ def backward_smem_bytes(config: Sm90BwdConfig) -> int:
 
 
 def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, window: bool = False,
-                    softcap: bool = False, alibi: bool = False) -> Sm90BwdConfig | None:
+                    softcap: bool = False, alibi: bool = False, varlen: bool = False) -> Sm90BwdConfig | None:
     """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
     if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
@@ -381,9 +384,15 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
         return None
     if softcap and head_dim > 96:  # spills 8-88 bytes per MMA thread at hd 128 (2026-11-28 compile report)
         return None
+    if varlen and causal and head_dim == 128:
+        # spills 32 bytes per MMA thread: the sequence's lengths and query walk are loaded values,
+        # not kernel parameters the compiler can reload (also read from smem at each use: the
+        # same; 2026-11-28 compile reports)
+        return None
     # 128-row query blocks where they fit the 240 registers without spilling: hd 64 non-causal
     # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md).
     m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap) else 64
-    config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, m_block_size=m_block_size)
+    config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, varlen=varlen,
+                           m_block_size=m_block_size)
     assert backward_smem_bytes(config) <= SMEM_BYTES
     return config

@@ -1,8 +1,8 @@
 """Packed variable-length batches on the GPU (flash_attn_varlen_func, cute_flash.varlen): forward and
 backward, sequence by sequence, against the float64 reference on each unpacked sequence within the
-yardstick (tests/gpu/common.py). The forward runs the family's `call_varlen` entry point (the
-Hopper forward where it serves the dtype and head dim; the sm80 forward too, forced, on every GPU),
-the backward the sm80 kernels' on every GPU.
+yardstick (tests/gpu/common.py). Both passes run the family's `call_varlen` entry points (the
+Hopper kernels where they serve the dtype, head dim and modifications; the sm80 kernels too,
+forced, on every GPU).
 
 Batches hold sequences of length 0 and 1, ragged lengths up to 4k, seqlen_q != seqlen_k per
 sequence, a sequence with queries and no keys, and rows before the first sequence (cu_seqlens[0] > 0)
@@ -18,7 +18,10 @@ import torch
 import cute_flash
 from cute_flash import varlen
 
-from .common import assert_backward_accurate, assert_forward_accurate, expected_forward_family, randn, served_by
+from .common import (
+    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family, randn,
+    served_by,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,9 +73,18 @@ def check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods):
                                  one(q, rows_q), one(k, rows_k), one(v, rows_k), causal, **seq_mods)
 
 
+def varlen_backward_family(head_dim, dtype, causal, softcap=0.0, alibi_slopes=None, **_):
+    """Where dispatch sends a packed backward: the Hopper backward's rules (kernels/sm90/config.py:
+    backward_config), less causal hd 128, which spills there with a packed batch."""
+    if (causal and head_dim == 128) or (softcap and head_dim > 96) or (alibi_slopes is not None and causal
+                                                                       and head_dim > 64):
+        return "sm80"
+    return expected_backward_family(head_dim, dtype)
+
+
 def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **mods):
-    """forward_varlen on the family dispatch promises, then backward_varlen (the sm80 kernels) into
-    NaN-poisoned gradients (rows before the first sequence poisoned with 7: they must keep it)."""
+    """forward_varlen, then backward_varlen into NaN-poisoned gradients (rows before the first
+    sequence poisoned with 7: they must keep it), each on the family dispatch promises."""
     with served_by(expected_forward_family(q.shape[-1], q.dtype)):
         out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **mods)
     grads = []
@@ -80,7 +92,7 @@ def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **
         grad = torch.full_like(t, float("nan"))
         grad[:LEAD] = 7.0
         grads.append(grad)
-    with served_by("sm80"):
+    with served_by(varlen_backward_family(q.shape[-1], q.dtype, causal, **mods)):
         varlen.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq=grads[0], dk=grads[1],
                                dv=grads[2], causal=causal, deterministic=deterministic, **mods)
     for grad in grads:
@@ -143,6 +155,27 @@ def test_varlen_window_softcap_alibi(causal):
     check_sequences(out, lse, grads, q * 3, k, v, dout, cu_q, cu_k, causal, **mods)
 
 
+@pytest.mark.parametrize("case", ["d64-causal-window-alibi", "d96-softcap", "d128-deterministic"])
+def test_varlen_backward_variants(case):
+    """Packed backwards the Hopper kernel serves beyond CONFIGS (sm80 elsewhere): a window with
+    ALiBi, softcap at hd 96, and deterministic mode (bit-identical repeats)."""
+    head_dim = int(case[1:].split("-")[0])
+    config = (torch.bfloat16, head_dim, 4, 2)
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = batch(config)
+    causal, mods = False, {}
+    if "window" in case:
+        causal = True
+        mods = dict(window_size=(200, 0), alibi_slopes=torch.rand(config[2], device="cuda") * 0.1)
+    if "softcap" in case:
+        mods = dict(softcap=15.0)
+    deterministic = "deterministic" in case
+    out, lse, grads = run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=deterministic, **mods)
+    check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods)
+    if deterministic:
+        _, _, again = run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=True)
+        assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
 def test_varlen_deterministic_is_bit_identical():
     q, k, v, dout, cu_q, cu_k, max_q, max_k = batch(CONFIGS[0])
     _, _, first = run(q, k, v, dout, cu_q, cu_k, max_q, max_k, True, deterministic=True)
@@ -163,7 +196,7 @@ def test_flash_attn_varlen_func_autograd_and_compile():
 
     with served_by(expected_forward_family(q.shape[-1], q.dtype)):
         out, lse, probs = step(*leaves)
-    with served_by("sm80"):
+    with served_by(varlen_backward_family(q.shape[-1], q.dtype, True)):
         out.backward(dout)
     assert probs is None
     grads = [t.grad for t in leaves]
@@ -213,6 +246,8 @@ def _jobs():
               (CONFIGS[0], True, {}, True)]
     cases += [((torch.bfloat16, head_dim, 2, 1), causal, {}, False) for head_dim in (96, 192, 256)
               for causal in (False, True)]
+    cases += [((torch.bfloat16, 64, 4, 2), True, dict(window_size=(200, 0), alibi_slopes=True), False),
+              ((torch.bfloat16, 96, 4, 2), False, dict(softcap=15.0), False), ((torch.bfloat16, 128, 4, 2), False, {}, True)]
     every = dict(window_size=(96, 33), softcap=20.0, alibi_slopes=True)
     cases += [(CONFIGS[0], causal, every, False) for causal in (False, True)]
     for (dtype, head_dim, nheads, nheads_kv), causal, mods, det in cases:
@@ -230,8 +265,11 @@ def _compile(job):
     capability = torch.cuda.get_device_capability()
     plans = [dispatch.plan_forward(capability, dtype, head_dim, causal, mods=flags, varlen=True, family=family)
              for family in (None, "sm80")]
-    backward = dispatch.plan_backward(capability, dtype, head_dim, causal, det, gqa, mods=flags, varlen=True)
-    for plan in plans + [backward.pre, backward.main, backward.post]:
+    for family in (None, "sm80"):
+        backward = dispatch.plan_backward(capability, dtype, head_dim, causal, det, gqa, mods=flags, varlen=True,
+                                          family=family)
+        plans += [backward.pre, backward.main, backward.post]
+    for plan in plans:
         plan.compiled()
     return job
 
