@@ -7,9 +7,8 @@ likewise for k, v). The call travels the package's path (docs/architecture.md): 
 (every rule that needs no tensor values), `validate.varlen_value_flags` (the rules on the
 cu_seqlens values, read back in one host synchronization, as the KV-cache API does: skipped while
 a CUDA graph is captured and when CUTE_FLASH_VARLEN_VALUE_CHECKS=0), then the kernels'
-`call_varlen` entry points (dispatch: `varlen`; the Hopper forward on sm_90 where it serves the
-dtype and head dim, the sm80 kernels otherwise and for every backward), which read the offsets on
-the device. max_seqlen_q / max_seqlen_k are host ints that size the grids, so nothing else waits for
+`call_varlen` entry points (dispatch: `varlen`; the Hopper kernels on sm_90 where they serve the
+problem, the sm80 kernels otherwise), which read the offsets on the device. max_seqlen_q / max_seqlen_k are host ints that size the grids, so nothing else waits for
 the device and torch.compile(fullgraph=True) keeps the call as two opaque custom ops.
 
     forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, ...)            -> (out, lse (nheads, total_q))

@@ -81,6 +81,38 @@ def test_hopper_varlen_forward_compiles_without_spills(variant):
     assert "st.global.v4" in report.ptx
 
 
+# The Hopper backward: (mods, dtype, head dim, causal, deterministic)
+HOPPER_BACKWARD_VARIANTS = [
+    ((False, False, False), torch.bfloat16, 128, False, False),
+    ((False, False, False), torch.bfloat16, 128, False, True),
+    ((False, False, False), torch.float16, 64, True, False),
+    ((True, True, True), torch.float16, 64, False, False),
+    ((False, False, False), torch.bfloat16, 96, True, True),
+]
+
+
+@pytest.mark.parametrize("variant", HOPPER_BACKWARD_VARIANTS,
+                         ids=lambda v: _id(("bwd", v[0], v[1], v[2], v[3], v[4], True, (9, 0))))
+def test_hopper_varlen_backward_compiles_without_spills(variant):
+    """The main kernel and its postprocess: wgmma, dQ's bulk reduce, TMA loads; dK and dV by
+    16-byte stores (no TMA store: a box would cross into the next sequence's rows)."""
+    mods, dtype, head_dim, causal, deterministic = variant
+    plans = dispatch.plan_backward((9, 0), dtype, head_dim, causal, deterministic, True, family="sm90", mods=mods,
+                                   varlen=True)
+    report = _check(plans.main, "wgmma.mma_async", family="sm90")
+    assert "cp.reduce.async.bulk" in report.ptx and "cp.async.bulk.tensor" in report.ptx
+    assert "global.shared" not in report.ptx.replace("cp.reduce.async.bulk.global.shared", "")
+    assert "st.global.v4" in report.ptx
+    _check(plans.post, None, family="sm90")
+    assert plans.pre.family == "sm80" and plans.pre.entry == "call_varlen" and not plans.gqa
+
+
+def test_hopper_varlen_backward_leaves_causal_hd128_to_sm80():
+    # it spills 32 bytes per MMA thread there (kernels/sm90/config.py: backward_config)
+    assert dispatch.plan_backward((9, 0), torch.bfloat16, 128, True, False, False, family="sm90",
+                                  varlen=True).main.family == "sm80"
+
+
 def test_dense_plans_keep_their_entries():
     assert dispatch.plan_forward((8, 0), torch.bfloat16, 128, True, family="sm80").entry is None
     dense = dispatch.plan_backward((8, 0), torch.bfloat16, 128, True, family="sm80")
