@@ -384,11 +384,8 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
         return None
     if softcap and head_dim > 96:  # spills 8-88 bytes per MMA thread at hd 128 (2026-11-28 compile report)
         return None
-    if varlen and causal and head_dim == 128:
-        # spills 32 bytes per MMA thread: the sequence's lengths and query walk are loaded values,
-        # not kernel parameters the compiler can reload (also read from smem at each use: the
-        # same; 2026-11-28 compile reports)
-        return None
+    if varlen and window and not alibi and head_dim == 128:
+        return None  # spills 32 bytes per MMA thread (2026-11-28 compile report; with ALiBi it does not)
     # 128-row query blocks where they fit the 240 registers without spilling: hd 64 non-causal
     # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md).
     m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap) else 64

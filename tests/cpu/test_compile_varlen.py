@@ -15,7 +15,7 @@ from cute_flash.compile_report import compile_report
 VARIANTS = [
     ("fwd", (True, True, False), torch.float16, 64, False, False, False, (8, 0)),
     ("fwd", (False, False, False), torch.float32, 128, False, False, False, (8, 0)),
-    ("bwd", (False, False, False), torch.bfloat16, 128, True, False, False, (9, 0)),
+    ("bwd", (False, False, False), torch.bfloat16, 128, True, False, False, (8, 0)),
     ("bwd", (True, True, True), torch.float16, 64, False, True, True, (8, 0)),
     ("bwd", (False, False, False), torch.float32, 64, True, False, False, (8, 0)),
 ]
@@ -49,8 +49,7 @@ def test_varlen_kernels_compile_without_spills(variant):
         report = _check(plan, mma)
         assert "cp.async.cg.shared.global" in report.ptx and "ex2.approx" in report.ptx
         return
-    plans = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, family="sm90", mods=mods,
-                                   varlen=True)
+    plans = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods, varlen=True)
     _check(plans.pre, None)
     report = _check(plans.main, mma)
     assert "red." in report.ptx and ".add.f32" in report.ptx  # dQ into the workspace
@@ -88,6 +87,9 @@ HOPPER_BACKWARD_VARIANTS = [
     ((False, False, False), torch.float16, 64, True, False),
     ((True, True, True), torch.float16, 64, False, False),
     ((False, False, False), torch.bfloat16, 96, True, True),
+    ((False, False, False), torch.bfloat16, 128, True, False),
+    ((False, False, False), torch.float16, 128, True, True),
+    ((True, False, True), torch.bfloat16, 128, False, False),
 ]
 
 
@@ -107,9 +109,9 @@ def test_hopper_varlen_backward_compiles_without_spills(variant):
     assert plans.pre.family == "sm80" and plans.pre.entry == "call_varlen" and not plans.gqa
 
 
-def test_hopper_varlen_backward_leaves_causal_hd128_to_sm80():
+def test_hopper_varlen_backward_leaves_a_plain_window_at_hd128_to_sm80():
     # it spills 32 bytes per MMA thread there (kernels/sm90/config.py: backward_config)
-    assert dispatch.plan_backward((9, 0), torch.bfloat16, 128, True, False, False, family="sm90",
+    assert dispatch.plan_backward((9, 0), torch.bfloat16, 128, False, False, False, family="sm90", mods=(True, False, False),
                                   varlen=True).main.family == "sm80"
 
 

@@ -73,11 +73,12 @@ def check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods):
                                  one(q, rows_q), one(k, rows_k), one(v, rows_k), causal, **seq_mods)
 
 
-def varlen_backward_family(head_dim, dtype, causal, softcap=0.0, alibi_slopes=None, **_):
+def varlen_backward_family(head_dim, dtype, causal, softcap=0.0, alibi_slopes=None, window_size=(-1, -1)):
     """Where dispatch sends a packed backward: the Hopper backward's rules (kernels/sm90/config.py:
-    backward_config), less causal hd 128, which spills there with a packed batch."""
-    if (causal and head_dim == 128) or (softcap and head_dim > 96) or (alibi_slopes is not None and causal
-                                                                       and head_dim > 64):
+    backward_config), less a window without ALiBi at hd 128, which spills there with a packed batch."""
+    window = window_size != (-1, -1)
+    if (softcap and head_dim > 96) or (alibi_slopes is not None and causal and head_dim > 64) or \
+            (window and alibi_slopes is None and head_dim == 128):
         return "sm80"
     return expected_backward_family(head_dim, dtype)
 
