@@ -27,6 +27,11 @@ blocks the keys see and masks its edge blocks; ALiBi adds -slope * |i - j| to S^
 the scores are t = tanh(s * scale / softcap), P's exponent runs at scale softcap, and dS^T picks
 up dt/ds's factor 1 - t^2 (the softmax scale itself is applied to dK and dQ as without softcap).
 
+Packed variable-length batches (`call_varlen`, config.varlen): each CTA reads its sequence's
+bounds from cu_seqlens, views the packed tensors from the sequence's first rows, zeroes K's rows
+past the sequence (`zero_keys_past_end`) and stores dK, dV clipped at its last key
+(docs/kernels/sm90-backward.md).
+
 Rows past seqlen_q need no mask: TMA fills their Q and dO with zeros and the preprocess gives
 them LSE = +inf and D = 0, so their P and dS are 0. Keys past seqlen_k are zero rows of K and V:
 they add nothing to dQ, and their dK, dV rows are never stored. The postprocess

@@ -6,6 +6,7 @@ The main kernel (kernels/sm90/bwd.py) adds each query block's dQ to an fp32 work
 One CTA per query block rebuilds the main kernel's dQ tiled MMA, so thread t reads back exactly
 the elements it would have held there (16-byte loads), scales and converts them into a swizzled
 smem tile at their (row, col), from which 16-byte vectors go to dQ with the caller's strides.
+Packed batches (`call_varlen`): a sequence's sums start at its padded row packed_stat_offset.
 """
 
 from __future__ import annotations

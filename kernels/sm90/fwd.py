@@ -31,7 +31,9 @@ mask-free (but for those crossing a window's left edge, last). Score modificatio
 (config.window / softcap / alibi) and dropout (config.dropout: the Philox keep mask of
 kernels/common/philox.py, a function of each element's coordinates, so the sm80 backward draws the
 same one) are compiled in only where the configuration asks; their values come through
-`call_with_mods`.
+`call_with_mods`. Packed variable-length batches (config.varlen) come through `call_varlen`: each
+tile's sequence bounds from cu_seqlens (tile_scheduler.py: unit_work), the tensors viewed from
+the sequence's first row (`sequence_tensors`), O stored from registers clipped at its last row.
 
 Where things are: the configuration (tiles, schedule, softmax form, epilogue) in config.py, the
 tile walk in tile_scheduler.py, the producer's loads in fwd_loads.py, O's and LSE's way out in
