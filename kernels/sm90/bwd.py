@@ -41,7 +41,6 @@ they add nothing to dQ, and their dK, dV rows are never stored. The postprocess
 from __future__ import annotations
 
 import math
-from functools import partial
 from types import SimpleNamespace
 
 import cuda.bindings.driver as cuda
@@ -353,43 +352,26 @@ class FlashAttnBwdSm90:
             tensor_batch = 0
         walk = self.query_walk(n_block, head_kv, seqlen_q, seqlen_k, mQ.shape[2], mK.shape[2], window)
 
-        roles = partial(
-            self.roles, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
-            tma_atom_dPsum, mdPsum, tma_atom_dK, mdK, tma_atom_dV, mdV, mdQaccum, mdQsemaphore, s, pipeline_kv,
-            pipeline_q, pipeline_do, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, walk, n_block, head_kv, batch,
-            tensor_batch, seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, window, softcap_pre, mAlibiSlopes,
-            alibi_scale, dkv_rows, warp_idx, tidx,
-        )
+        # Packed: the grid covers the longest sequence's key blocks; a CTA past its own does nothing.
+        runs = True
         if const_expr(cfg.varlen):
-            # The grid covers the longest sequence's key blocks: a CTA past its own does nothing.
-            if n_block * cfg.n_block_size < seqlen_k:
-                roles()
-        else:
-            roles()
-
-    @cute.jit
-    def roles(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
-              tma_atom_dPsum, mdPsum, tma_atom_dK, mdK, tma_atom_dV, mdV, mdQaccum, mdQsemaphore, s, pipeline_kv,
-              pipeline_q, pipeline_do, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, walk, n_block, head_kv, batch,
-              tensor_batch, seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, window, softcap_pre, mAlibiSlopes,
-              alibi_scale, dkv_rows, warp_idx, tidx):
-        """The warp groups' roles: producer (warp 0), dQ writer (warp 1), the MMA consumers."""
-        cfg = self.cfg
-        if warp_idx < 4:
-            cute.arch.setmaxregister_decrease(cfg.register_split[0])
-            if warp_idx == 0:
-                self.producer(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
-                              tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do,
-                              walk, n_block, head_kv, tensor_batch)
-            if warp_idx == 1:
-                self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch, tensor_batch, seqlen_q,
-                               seqlen_k, window)
-        else:
-            cute.arch.setmaxregister_increase(cfg.register_split[1])
-            self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
-                          tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch,
-                          seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
-                          softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows)
+            runs = n_block * cfg.n_block_size < seqlen_k
+        if runs:
+            if warp_idx < 4:
+                cute.arch.setmaxregister_decrease(cfg.register_split[0])
+                if warp_idx == 0:
+                    self.producer(tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV,
+                                  tma_atom_LSE, mLSE, tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do,
+                                  walk, n_block, head_kv, tensor_batch)
+                if warp_idx == 1:
+                    self.dq_writer(mdQaccum, mdQsemaphore, s.sdQ, walk, n_block, batch, tensor_batch, seqlen_q,
+                                   seqlen_k, window)
+            else:
+                cute.arch.setmaxregister_increase(cfg.register_split[1])
+                self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
+                              tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch,
+                              seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
+                              softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows)
 
     @cute.jit
     def query_walk(self, n_block: Int32, head_kv: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
@@ -552,23 +534,24 @@ class FlashAttnBwdSm90:
             # thread at hd 128 causal.
             for h in cutlass.range(walk.steps // cutlass.max(walk.blocks, 1), unroll=1):
                 for j in cutlass.range(walk.blocks, unroll=1):
-                    m_block = walk.m_block_min + j
-                    needs_mask = m_block < walk.mask_end
-                    if const_expr(cfg.window):
-                        needs_mask = needs_mask | (m_block >= walk.mask_start)
-                    self.one_block(c, q_state, walk.first_head + h, m_block, needs_mask)
+                    self.visit(c, q_state, walk, walk.first_head + h, walk.m_block_min + j)
                     q_state.advance()
         else:
             for i in cutlass.range(walk.steps, unroll=1):
                 head, m_block = self.step(walk, i)
-                needs_mask = m_block < walk.mask_end
-                if const_expr(cfg.window):
-                    needs_mask = needs_mask | (m_block >= walk.mask_start)
-                self.one_block(c, q_state, head, m_block, needs_mask)
+                self.visit(c, q_state, walk, head, m_block)
                 q_state.advance()
 
         self.store_dKV(c, s, tma_atom_dK, mdK, tma_atom_dV, mdV, n_block, head_kv, tensor_batch, softmax_scale, tidx,
                        dkv_rows)
+
+    @cute.jit
+    def visit(self, c: SimpleNamespace, q_state, walk: SimpleNamespace, head: Int32, m_block: Int32):
+        """One step of the query walk: one_block, masked where the walk says the block needs it."""
+        needs_mask = m_block < walk.mask_end
+        if const_expr(self.cfg.window):
+            needs_mask = needs_mask | (m_block >= walk.mask_start)
+        self.one_block(c, q_state, head, m_block, needs_mask)
 
     @cute.jit
     def zero_keys_past_end(self, sK_tile: cute.Tensor, keys_left: Int32, tidx: Int32):

@@ -253,9 +253,8 @@ class FlashAttnFwdSm90(ForwardLoads):
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * SCHEDULE_STAGES]
             sched_units: cute.struct.MemRange[Int32, SCHEDULE_STAGES]
 
-        grid_seqlen_q, num_batch = mQ.shape[0], mQ.shape[3]
-        if const_expr(self.cfg.varlen):
-            grid_seqlen_q, num_batch = varlen_args[2], varlen_args[0].shape[0] - 1
+        grid_seqlen_q, num_batch = self.scheduler.walk_extent(mQ.shape[0], mQ.shape[3],
+                                                              self.scheduler.packed_walk(*varlen_args))
         num_units = self.scheduler.num_units(grid_seqlen_q, mQ.shape[2], num_batch,
                                              SimpleNamespace(whole_tiles=whole_tiles, units=split_units))
         grid_x = num_units
@@ -377,10 +376,7 @@ class FlashAttnFwdSm90(ForwardLoads):
         # The window's sides, None without one (config.window).
         window = (window_left, window_right) if const_expr(self.cfg.window) else None
         # A packed batch's sequence bounds (config.varlen), None for a dense one.
-        varlen = None
-        if const_expr(self.cfg.varlen):
-            varlen = SimpleNamespace(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, max_seqlen_q=max_seqlen_q,
-                                     num_batch=mCuSeqlensQ.shape[0] - 1)
+        varlen = self.scheduler.packed_walk(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.register_split[0])
             if warp_idx == 0:
@@ -431,9 +427,8 @@ class FlashAttnFwdSm90(ForwardLoads):
         if wg_idx == self.cfg.num_wg_mma - 1:
             cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE, number_of_threads=256)
 
-        num_heads, num_batch = mO.shape[2], mO.shape[3]
-        if const_expr(varlen is not None):
-            seqlen_q, num_batch = varlen.max_seqlen_q, varlen.num_batch
+        num_heads = mO.shape[2]
+        seqlen_q, num_batch = self.scheduler.walk_extent(seqlen_q, mO.shape[3], varlen)
         block_ranges = BlockRanges(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.num_stages)
         # This warp group's first Q stage: its own piece of the first Q buffer (q_by_group).

@@ -33,9 +33,8 @@ class ForwardLoads:
         self, tma_atom_Q, mQ, tma_atom_K, mK, tma_atom_V, mVt, sQ, sK, sVt,
         pipeline_q, pipeline_k, pipeline_v, split, sched, walk_plan, window, varlen,
     ):
-        seqlen_q, num_heads, num_batch = mQ.shape[0], mQ.shape[2], mQ.shape[3]
-        if const_expr(varlen is not None):
-            seqlen_q, num_batch = varlen.max_seqlen_q, varlen.num_batch
+        num_heads = mQ.shape[2]
+        seqlen_q, num_batch = self.scheduler.walk_extent(mQ.shape[0], mQ.shape[3], varlen)
         block_ranges = BlockRanges(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.num_stages)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_stages * self.cfg.q_pieces)
@@ -94,9 +93,8 @@ class ForwardLoads:
                    window, varlen=None):
         """The K/V blocks [n_block_min, n_block_max) of one unit of the walk and the TMA (smem,
         gmem) views of its Q and of K, V by n_block."""
-        seqlen_q, seqlen_k, num_heads, num_batch = mQ.shape[0], mK.shape[0], mQ.shape[2], mQ.shape[3]
-        if const_expr(varlen is not None):
-            seqlen_q, num_batch = varlen.max_seqlen_q, varlen.num_batch
+        seqlen_k, num_heads = mK.shape[0], mQ.shape[2]
+        seqlen_q, num_batch = self.scheduler.walk_extent(mQ.shape[0], mQ.shape[3], varlen)
         m_block, head, batch, n_block_min, n_block_max, _, seq = self.scheduler.unit_work(
             unit, seqlen_q, seqlen_k, num_heads, num_batch, block_ranges, split, window, varlen
         )

@@ -342,6 +342,22 @@ class TileScheduler:
         state.advance()
         return unit, state
 
+    @staticmethod
+    def packed_walk(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q):
+        """A packed batch's bounds as unit_work reads them (config.varlen), None for a dense one."""
+        if mCuSeqlensQ is None:
+            return None
+        return SimpleNamespace(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, max_seqlen_q=max_seqlen_q,
+                               num_batch=mCuSeqlensQ.shape[0] - 1)
+
+    @staticmethod
+    def walk_extent(seqlen_q, num_batch, varlen):
+        """The (seqlen_q, batch) the walk counts its tiles over: the kernel's, or a packed batch's
+        longest sequence and number of sequences."""
+        if varlen is None:
+            return seqlen_q, num_batch
+        return varlen.max_seqlen_q, varlen.num_batch
+
     def num_tiles(self, seqlen_q, num_heads, num_batch):
         return cute.ceil_div(seqlen_q, self.cfg.tile_m) * num_heads * num_batch
 
