@@ -72,6 +72,7 @@ DS_READY_BARRIER = 1
 DQ_EMPTY_BARRIER = 2
 DQ_FULL_BARRIER = 3
 EPILOGUE_BARRIER = 4
+SCORES_FREE_BARRIER = 5  # split_head_dim with one buffer: P's and dS's smem may be overwritten
 
 
 def dq_tiled_mma(config) -> cute.TiledMma:
@@ -85,19 +86,32 @@ def dq_tiled_mma(config) -> cute.TiledMma:
 
 
 def dq_swizzle_columns(config) -> int:
-    """The dQ GEMM gives each warp group a slice of dQ's (and K's) columns, which must be a whole
-    number of swizzle atoms in the buffers it reads or fills: with d a multiple of 64 the widest
-    (128-byte, 64-column) atom does; at d = 96 a 48-column slice takes 16-column atoms."""
+    """The dQ GEMM gives each warp group a slice of dQ's (and K's) columns, read in the widest
+    swizzle atom that divides it (d = 96: 48 columns, 16-column atoms; d = 192: 96, 32). At d = 64
+    with 64-row query blocks the two 32-column slices share one 64-column atom instead (each
+    group's descriptor starts inside it), as timed since 2026-11-27."""
     d = config.head_dim
-    return d if d % 64 == 0 else d // dq_atom_layout(config.m_block_size)[1]
+    return d if d == 64 else d // dq_atom_layout(config.m_block_size)[1]
+
+
+def rows_by_d_smem_layout(config, rows: int, slice_columns: int, stages: int) -> cute.ComposedLayout:
+    """A (rows, d) buffer with d contiguous, in the widest swizzle atom that divides the column
+    slices the MMA warp groups read of it (the whole of d where they do not split it)."""
+    atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, config.dtype, slice_columns)
+    atom = sm90_utils.make_smem_layout_atom(atom_kind, config.dtype)
+    return cute.tile_to_shape(atom, (rows, config.head_dim, stages), order=(0, 1, 2))
 
 
 def k_smem_layout(config) -> cute.ComposedLayout:
     """K's (and V's, dK's, dV's) (n, d) buffer, swizzled for the dQ GEMM's column slices."""
-    d = config.head_dim
-    atom_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, config.dtype, dq_swizzle_columns(config))
-    atom = sm90_utils.make_smem_layout_atom(atom_kind, config.dtype)
-    return cute.tile_to_shape(atom, (config.n_block_size, d, 1), order=(0, 1, 2))
+    return rows_by_d_smem_layout(config, config.n_block_size, dq_swizzle_columns(config), 1)
+
+
+def q_smem_layout(config) -> cute.ComposedLayout:
+    """Q's and dO's (m, d) rings: with split_head_dim the dK and dV GEMMs read them in column
+    halves (d = 192: 96 columns, 32-column atoms)."""
+    slice_columns = config.head_dim // (2 if config.split_head_dim else 1)
+    return rows_by_d_smem_layout(config, config.m_block_size, slice_columns, config.q_stages)
 
 
 def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.Tensor:
@@ -109,6 +123,32 @@ def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.T
         sdQ.iterator, cute.make_layout(((4, num_threads), vectors), stride=((1, 4), 4 * num_threads))
     )
     return threads[(None, thread), None]
+
+
+def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
+    """The kernel's smem: barriers, row statistics, then the tiles (P's only with split_head_dim).
+    Fields listed as values: this module's annotations are strings, which cute.struct cannot read
+    outside a jit function."""
+    def tile(dtype, layout_or_size, align=1024):
+        size = layout_or_size if isinstance(layout_or_size, int) else cute.cosize(layout_or_size)
+        return cute.struct.Align[cute.struct.MemRange[dtype, size], align]
+
+    fields = dict(
+        mbar_KV=cute.struct.MemRange[cutlass.Int64, 2],
+        mbar_Q=cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages],
+        mbar_dO=cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages],
+        sLSE=tile(Float32, stat_layout, 128),
+        sdPsum=tile(Float32, stat_layout, 128),
+        sQ=tile(cfg.dtype, sQ_layout),
+        sdO=tile(cfg.dtype, sQ_layout),
+        sK=tile(cfg.dtype, sK_layout),
+        sV=tile(cfg.dtype, sK_layout),
+        sdS=tile(cfg.dtype, sdS_layout),
+    )
+    if cfg.split_head_dim:
+        fields["sP"] = tile(cfg.dtype, sdS_layout)
+    fields["sdQ"] = tile(Float32, cfg.m_block_size * cfg.head_dim)
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 class FlashAttnBwdSm90:
@@ -215,21 +255,27 @@ class FlashAttnBwdSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0])) for t in (mLSElog2, mdPsum)
         ]
 
-        # Keys are the M dimension of S^T, dP^T, dV and dK: one warp group per 64 keys.
+        # Keys are the M dimension of S^T, dP^T, dV and dK: one warp group per 64 keys, or with
+        # split_head_dim one 64-key block whose query columns (S^T, dP^T) and head-dim columns
+        # (dV, dK) the groups split; then P^T and dS^T come from smem.
+        split = cfg.split_head_dim
+        keys_by_group = (1, cfg.num_wg_mma, 1) if split else (cfg.num_wg_mma, 1, 1)
         tiled_mma_SdP = sm90_utils.make_trivial_tiled_mma(
             cfg.dtype, cfg.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(cfg.num_wg_mma, 1, 1), tiler_mn=(64, m),
+            atom_layout_mnk=keys_by_group, tiler_mn=(64, m // keys_by_group[1]),
         )
         tiled_mma_dKV = sm90_utils.make_trivial_tiled_mma(
             cfg.dtype, cfg.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(cfg.num_wg_mma, 1, 1), tiler_mn=(64, d), a_source=warpgroup.OperandSource.RMEM,
+            atom_layout_mnk=keys_by_group, tiler_mn=(64, d // keys_by_group[1]),
+            a_source=warpgroup.OperandSource.SMEM if split else warpgroup.OperandSource.RMEM,
         )
         tiled_mma_dQ = dq_tiled_mma(cfg)
 
         # One swizzled buffer per operand, read in both orientations: Q and dO (m, d) are the
         # K-major B of S^T / dP^T and, transposed, the MN-major B of dK / dV; K (n, d) is the
-        # K-major A of S^T and, transposed, the MN-major B of dQ; dS (m, n) is stored m-major.
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (m, n, d), cfg.dtype, cfg.q_stages)
+        # K-major A of S^T and, transposed, the MN-major B of dQ; dS (m, n) is stored m-major
+        # (transposed, the K-major A of dK with split_head_dim; P likewise for dV).
+        sQ_layout = q_smem_layout(cfg)
         sK_layout = k_smem_layout(cfg)
         sdS_layout = sm90_utils.make_smem_layout_a(LayoutEnum.COL_MAJOR, (m, d, n), cfg.dtype, cfg.q_stages)
         sQ_tile = cute.slice_(sQ_layout, (None, None, 0))
@@ -248,19 +294,7 @@ class FlashAttnBwdSm90:
         self.tx_bytes_q = (m * d * cfg.dtype.width + m * Float32.width) // 8
         self.tx_bytes_kv = 2 * n * d * cfg.dtype.width // 8
 
-        @cute.struct
-        class SharedStorage:
-            mbar_KV: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_Q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages]
-            mbar_dO: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_stages]
-            sLSE: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(stat_layout)], 128]
-            sdPsum: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(stat_layout)], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sK_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[cfg.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, m * d], 1024]
+        SharedStorage = shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout)
 
         grid = (cute.ceil_div(mK.shape[0], n), mK.shape[2], mK.shape[3])
         varlen_kwargs = {}
@@ -329,6 +363,8 @@ class FlashAttnBwdSm90:
             sK=storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             sV=storage.sV.get_tensor(sK_layout.outer, swizzle=sK_layout.inner),
             sdS=storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner),
+            sP=storage.sP.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner) if const_expr(cfg.split_head_dim)
+            else None,
             sLSE=storage.sLSE.get_tensor(stat_layout),
             sdPsum=storage.sdPsum.get_tensor(stat_layout),
             sdQ=storage.sdQ.get_tensor(cute.make_layout(cfg.m_block_size * cfg.head_dim)),
@@ -501,10 +537,12 @@ class FlashAttnBwdSm90:
             # (key, query) coordinates of this thread's S^T elements, and where they go in dS.
             tScS=reshape_acc_to_mn(thr_SdP.partition_C(cute.make_identity_tensor((n, m)))),
             t0ScS=reshape_acc_to_mn(tiled_mma_SdP.get_slice(0).partition_C(cute.make_identity_tensor((n, m)))),
-            thr_SdP=thr_SdP, sdSt=transpose_view(s.sdS),
-            # dV += P^T dO and dK += dS^T Q, A from registers
-            tdVrP=tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
-            tdKrdS=tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
+            thr_SdP=thr_SdP, sdSt=transpose_view(s.sdS), sPt=transpose_view(s.sP) if const_expr(cfg.split_head_dim) else None,
+            # dV += P^T dO and dK += dS^T Q, A from registers (from smem with split_head_dim)
+            tdVrP=tiled_mma_dKV.make_fragment_A(wg_dKV.partition_A(transpose_view(s.sP)))
+            if const_expr(cfg.split_head_dim) else tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
+            tdKrdS=tiled_mma_dKV.make_fragment_A(wg_dKV.partition_A(transpose_view(s.sdS)))
+            if const_expr(cfg.split_head_dim) else tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
             tdVrdO=tiled_mma_dKV.make_fragment_B(wg_dKV.partition_B(transpose_view(s.sdO))),
             tdKrQ=tiled_mma_dKV.make_fragment_B(wg_dKV.partition_B(transpose_view(s.sQ))),
             acc_dV=thr_dKV.make_fragment_C(thr_dKV.partition_shape_C((n, d))),
@@ -622,18 +660,25 @@ class FlashAttnBwdSm90:
                 acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
         if const_expr(cfg.softcap):
             c.acc_dP.store(c.acc_dP.load() * dtanh.load().to(Float32))
-        # P's 16-bit copy only now: the fp32 P and its copy are never live together.
-        convert_f32_to_16bit(c.acc_S, c.tdVrP)
-        gemm(c.tiled_mma_dKV, c.acc_dV, c.tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
-        convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
-        # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.
-        cute.autovec_copy(cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout),
-                          c.thr_SdP.partition_C(c.sdSt[None, None, stage]))
+        if const_expr(cfg.split_head_dim):
+            self.scores_to_smem(c, stage)
+            tdVrP, tdKrdS = c.tdVrP[None, None, None, stage], c.tdKrdS[None, None, None, stage]
+        else:
+            # P's 16-bit copy only now: the fp32 P and its copy are never live together.
+            convert_f32_to_16bit(c.acc_S, c.tdVrP)
+            tdVrP, tdKrdS = c.tdVrP, c.tdKrdS
+            gemm(c.tiled_mma_dKV, c.acc_dV, tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
+            convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
+            # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.
+            cute.autovec_copy(cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout),
+                              c.thr_SdP.partition_C(c.sdSt[None, None, stage]))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=DS_READY_BARRIER, number_of_threads=cfg.num_mma_threads)
+        if const_expr(cfg.split_head_dim):
+            gemm(c.tiled_mma_dKV, c.acc_dV, tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
         # dQ before dK: dQ's copy into the staging buffer then runs while the dK GEMM does.
         gemm(c.tiled_mma_dQ, c.acc_dQ, c.tdQrdS[None, None, None, stage], c.tdQrK[None, None, None, 0], zero_init=True)
-        gemm(c.tiled_mma_dKV, c.acc_dK, c.tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
+        gemm(c.tiled_mma_dKV, c.acc_dK, tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
         warpgroup.wait_group(1)  # dV (the last reader of dO) and dQ are done
         c.pipeline_do.consumer_release(q_state)
         cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
@@ -642,6 +687,18 @@ class FlashAttnBwdSm90:
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
         warpgroup.wait_group(0)  # dK is done with this stage's Q
         c.pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def scores_to_smem(self, c: SimpleNamespace, stage):
+        """split_head_dim: this group's columns of P^T and dS^T, in 16 bits, into P's and dS's
+        buffers (m-major, as dS always is), where the dV and dK GEMMs of both groups read them."""
+        if const_expr(self.cfg.q_stages == 1):
+            # One buffer each: the other group's dV and dK GEMMs of the last block must be done.
+            cute.arch.barrier(barrier_id=SCORES_FREE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
+        for acc, sXt in ((c.acc_S, c.sPt), (c.acc_dP, c.sdSt)):
+            rX = cute.make_rmem_tensor_like(acc, self.cfg.dtype)
+            convert_f32_to_16bit(acc, rX)
+            cute.autovec_copy(rX, c.thr_SdP.partition_C(sXt[None, None, stage]))
 
     @cute.jit
     def stat_shares(self, c: SimpleNamespace, sStat: cute.Tensor, stage):

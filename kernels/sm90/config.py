@@ -312,7 +312,7 @@ def _length_settings(dtype, head_dim: int, causal: bool, length: str, num_sms: i
 # The Hopper backward (kernels/sm90/bwd.py, bwd_post.py)
 
 # Head dims the Hopper backward implements; the others run the sm80 backward.
-BWD_HEAD_DIMS = (64, 96, 128)
+BWD_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -330,7 +330,7 @@ class Sm90BwdConfig:
     # Packed variable-length batches (`call_varlen`): bounds from cu_seqlens, dK / dV by plain stores.
     varlen: bool = False
     m_block_size: int = 64  # query rows per step
-    n_block_size: int = 128  # keys per CTA: 64 per MMA warp group
+    n_block_size: int = 128  # keys per CTA: 64 per MMA warp group (one 64-key block with split_head_dim)
     q_stages: int = 2  # Q (with its LSE) and dO (with its D) buffers in flight
     register_split: tuple[int, int] = (24, 240)  # setmaxnreg: producer warp group, MMA warp groups
 
@@ -343,6 +343,15 @@ class Sm90BwdConfig:
         With 64 rows they measured slower (2026-11-28, H100: 1-6% at hd 128, with the causal mask's
         offset hoisted as well)."""
         return self.m_block_size >= 128
+
+    @property
+    def split_head_dim(self) -> bool:
+        """Above head dim 128, dK and dV for 64 keys per warp group would need 2 * head_dim
+        accumulator registers per thread: the CTA takes one 64-key block, each MMA warp group
+        accumulates half of dK's and dV's columns for all of it, and the groups split the query
+        block's columns of S^T and dP^T. Each group then holds only part of P^T and dS^T, so both
+        go through shared memory to the dV and dK GEMMs."""
+        return self.head_dim > 128
 
     @property
     def num_mma_threads(self) -> int:
@@ -371,7 +380,8 @@ def dq_atom_layout(m_block_size: int) -> tuple[int, int, int]:
 
 def backward_smem_bytes(config: Sm90BwdConfig) -> int:
     m, n, d, stages = config.m_block_size, config.n_block_size, config.head_dim, config.q_stages
-    tiles = 2 * (2 * stages * m * d + 2 * n * d + stages * m * n)  # Q, dO; K, V; dS (16-bit)
+    score_tiles = 2 if config.split_head_dim else 1  # dS, and P with split_head_dim
+    tiles = 2 * (2 * stages * m * d + 2 * n * d + score_tiles * stages * m * n)  # Q, dO; K, V; dS, P (16-bit)
     return tiles + 4 * m * d + 2 * 4 * stages * m + 1024  # dQ staging (fp32), LSE and D, barriers
 
 
@@ -380,16 +390,20 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
     """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
     if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
-    if alibi and causal and head_dim > 64:  # spills 56 bytes per MMA thread (2026-11-28 compile report)
+    # Spills per MMA thread (2026-11-28 compile reports; none in the split_head_dim kernels):
+    if alibi and causal and head_dim in (96, 128):  # 56 bytes
         return None
-    if softcap and head_dim > 96:  # spills 8-88 bytes per MMA thread at hd 128 (2026-11-28 compile report)
+    if softcap and head_dim == 128:  # 8-88 bytes
         return None
     if varlen and window and not alibi and head_dim == 128:
         return None  # spills 32 bytes per MMA thread (2026-11-28 compile report; with ALiBi it does not)
     # 128-row query blocks where they fit the 240 registers without spilling: hd 64 non-causal
     # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md).
     m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap) else 64
+    # Above hd 128 (split_head_dim) one 64-key block per CTA; at hd 256 one Q / dO buffer each
+    # (two would need 272 KB of smem with dQ's 64 KB staging buffer).
+    tiles = dict(n_block_size=64, q_stages=1 if head_dim > 192 else 2) if head_dim > 128 else {}
     config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, varlen=varlen,
-                           m_block_size=m_block_size)
+                           m_block_size=m_block_size, **tiles)
     assert backward_smem_bytes(config) <= SMEM_BYTES
     return config

@@ -138,8 +138,8 @@ def test_a_causal_window_is_planned_as_a_window():
 
 def test_modified_calls_on_hopper_plan_the_hopper_kernels_that_have_them():
     """fp16 / bf16 at the Hopper forward's head dims: its forward for every length class (a
-    configuration it can implement); the Hopper backward at its head dims, with softcap up to head
-    dim 96; fp32, other head dims and softcap backwards above 96: sm80."""
+    configuration it can implement); the Hopper backward at its head dims, with softcap except
+    at head dim 128; fp32, other head dims and softcap backwards at 128: sm80."""
     from cute_flash.kernels.sm90.config import BWD_HEAD_DIMS, HEAD_DIMS, can_implement
 
     for mods in ((True, False, False), (False, True, False), (False, False, True), (True, True, True)):
@@ -156,7 +156,7 @@ def test_modified_calls_on_hopper_plan_the_hopper_kernels_that_have_them():
                             assert not plan.config.splits_tail
                     backward = dispatch.plan_backward((9, 0), dtype, head_dim, False, mods=mods)
                     hopper_backward = (head_dim in BWD_HEAD_DIMS and dtype != torch.float32
-                                       and not (mods[1] and head_dim > 96))
+                                       and not (mods[1] and head_dim == 128))
                     assert backward.main.family == ("sm90" if hopper_backward else "sm80")
                 # CUTE_FLASH_KERNEL_ARCH=sm80's family: sm80 forward too
                 forced = dispatch.plan_forward((9, 0), dtype, head_dim, False, "long", num_sms=132, family="sm80",

@@ -51,6 +51,9 @@ def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, c
     # 128-row blocks take 32 LSE values per query block by shuffle (4 other shuffles in every variant).
     assert (ptx.count("shfl.sync.idx") >= 32) == cfg.shared_stats
     assert cfg.shared_stats == (head_dim == 64 and not causal)  # where 128-row blocks fit the registers
+    if cfg.split_head_dim:  # the groups split S^T's query columns and dV's / dK's head-dim columns
+        assert f".m64n{cfg.m_block_size // 2}k16." in ptx and f".m64n{head_dim // 2}k16." in ptx
+    assert cfg.split_head_dim == (head_dim > 128)
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 
@@ -100,6 +103,11 @@ MOD_VARIANTS = [  # (dtype, head_dim, causal, deterministic, (window, softcap, a
     (cutlass.Float16, 96, False, False, (False, True, False)),
     (cutlass.BFloat16, 64, False, False, (True, True, True)),
     (cutlass.BFloat16, 96, False, True, (True, False, False)),
+    # split_head_dim (hd 192 / 256): every modification, causal ALiBi and softcap included
+    (cutlass.BFloat16, 192, True, False, (False, True, True)),
+    (cutlass.Float16, 192, False, True, (True, False, True)),
+    (cutlass.BFloat16, 256, True, True, (False, False, True)),
+    (cutlass.Float16, 256, False, False, (True, True, False)),
 ]
 
 

@@ -90,6 +90,8 @@ HOPPER_BACKWARD_VARIANTS = [
     ((False, False, False), torch.bfloat16, 128, True, False),
     ((False, False, False), torch.float16, 128, True, True),
     ((True, False, True), torch.bfloat16, 128, False, False),
+    ((False, False, False), torch.float16, 192, True, False),
+    ((True, True, False), torch.bfloat16, 256, False, True),
 ]
 
 

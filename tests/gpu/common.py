@@ -289,7 +289,7 @@ def assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=None, *
 SM90_FORWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 """Head dims whose fp16/bf16 forward the sm90 kernels serve on an sm_90 GPU (README, dispatch)."""
 
-SM90_BACKWARD_HEAD_DIMS = (64, 96, 128)
+SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 """Head dims whose fp16/bf16 backward the sm90 kernels serve on an sm_90 GPU (dispatch)."""
 
 SHARED_KERNELS = ("FlashAttnBwdPreprocessSm80",)

@@ -77,7 +77,7 @@ def varlen_backward_family(head_dim, dtype, causal, softcap=0.0, alibi_slopes=No
     """Where dispatch sends a packed backward: the Hopper backward's rules (kernels/sm90/config.py:
     backward_config), less a window without ALiBi at hd 128, which spills there with a packed batch."""
     window = window_size != (-1, -1)
-    if (softcap and head_dim > 96) or (alibi_slopes is not None and causal and head_dim > 64) or \
+    if (softcap and head_dim == 128) or (alibi_slopes is not None and causal and head_dim in (96, 128)) or \
             (window and alibi_slopes is None and head_dim == 128):
         return "sm80"
     return expected_backward_family(head_dim, dtype)

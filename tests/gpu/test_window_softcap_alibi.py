@@ -4,8 +4,8 @@ reference with the same window, cap and bias, within the yardstick (tests/gpu/co
 A modified forward runs the forward of the GPU's family where that family serves the dtype and
 head dim (the Hopper forward on an H100 for fp16 / bf16 at 64, 96, 128, 192, 256; the sm80 one
 otherwise, and under CUTE_FLASH_KERNEL_ARCH=sm80). A modified backward runs the Hopper backward
-for fp16 / bf16 at 64, 96 and 128 with a window, ALiBi (not causal ALiBi above 64) and softcap
-(up to 96), the sm80 one otherwise (other head dims, other GPUs).
+for fp16 / bf16 at 64, 96, 128, 192 and 256 with a window, ALiBi (not causal ALiBi at 96 and 128)
+and softcap (not at 128), the sm80 one otherwise (other head dims, other GPUs).
 Modifications that change nothing (a window wider than both sequences, a causal window unbounded
 on the left) run the plain kernels of the GPU's family. `python -m tests.gpu.test_window_softcap_alibi
 --warm` compiles every kernel the tests below run into the disk cache, several at once.
@@ -59,11 +59,11 @@ def kernel_problem(sq, sk, causal, mods):
 def families(head_dim, dtype, sq, sk, causal, mods):
     """The kernel families of the forward and the backward: with a modification the forward's own
     (the Hopper forward serves them) and the backward's own where it has the modification (the
-    Hopper backward: window, ALiBi but not causal ALiBi above head dim 64, softcap up to head dim
-    96), else sm80; without one the plain kernels' own."""
+    Hopper backward: window, ALiBi but not causal ALiBi at head dims 96 and 128, softcap but not
+    at 128), else sm80; without one the plain kernels' own."""
     kernel_causal, (window, softcap, alibi) = kernel_problem(sq, sk, causal, mods)
     backward_family = expected_backward_family(head_dim, dtype)
-    if (softcap and head_dim > 96) or (alibi and kernel_causal and head_dim > 64):
+    if (softcap and head_dim == 128) or (alibi and kernel_causal and head_dim in (96, 128)):
         backward_family = "sm80"
     return expected_forward_family(head_dim, dtype), backward_family
 
