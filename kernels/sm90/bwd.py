@@ -676,17 +676,37 @@ class FlashAttnBwdSm90:
         cute.arch.barrier(barrier_id=DS_READY_BARRIER, number_of_threads=cfg.num_mma_threads)
         if const_expr(cfg.split_head_dim):
             gemm(c.tiled_mma_dKV, c.acc_dV, tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
-        # dQ before dK: dQ's copy into the staging buffer then runs while the dK GEMM does.
-        gemm(c.tiled_mma_dQ, c.acc_dQ, c.tdQrdS[None, None, None, stage], c.tdQrK[None, None, None, 0], zero_init=True)
-        gemm(c.tiled_mma_dKV, c.acc_dK, tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
-        warpgroup.wait_group(1)  # dV (the last reader of dO) and dQ are done
-        c.pipeline_do.consumer_release(q_state)
-        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
+        if const_expr(cfg.q_stages == 1):
+            # One Q and one dO buffer: each is released as soon as its last GEMM is done (dV
+            # reads dO, dK Q), so that the next block's loads overlap the GEMMs still running.
+            gemm(c.tiled_mma_dKV, c.acc_dK, tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
+            gemm(c.tiled_mma_dQ, c.acc_dQ, c.tdQrdS[None, None, None, stage], c.tdQrK[None, None, None, 0],
+                 zero_init=True)
+            warpgroup.wait_group(2)
+            c.pipeline_do.consumer_release(q_state)
+            warpgroup.wait_group(1)
+            c.pipeline_q.consumer_release(q_state)
+            warpgroup.wait_group(0)
+            self.hand_over_dq(c)
+        else:
+            # dQ before dK: dQ's copy into the staging buffer then runs while the dK GEMM does.
+            gemm(c.tiled_mma_dQ, c.acc_dQ, c.tdQrdS[None, None, None, stage], c.tdQrK[None, None, None, 0],
+                 zero_init=True)
+            gemm(c.tiled_mma_dKV, c.acc_dK, tdKrdS, c.tdKrQ[None, None, None, stage], zero_init=False)
+            warpgroup.wait_group(1)  # dV (the last reader of dO) and dQ are done
+            c.pipeline_do.consumer_release(q_state)
+            self.hand_over_dq(c)
+            warpgroup.wait_group(0)  # dK is done with this stage's Q
+            c.pipeline_q.consumer_release(q_state)
+
+    @cute.jit
+    def hand_over_dq(self, c: SimpleNamespace):
+        """This query block's dQ into the staging buffer, once the dQ warp has emptied it."""
+        sync_threads = self.cfg.num_mma_threads + 32
+        cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=sync_threads)
         cute.autovec_copy(cute.make_tensor(c.acc_dQ.iterator, cute.make_layout(c.tdQsdQ.shape)), c.tdQsdQ)
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=cfg.num_mma_threads + 32)
-        warpgroup.wait_group(0)  # dK is done with this stage's Q
-        c.pipeline_q.consumer_release(q_state)
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=sync_threads)
 
     @cute.jit
     def scores_to_smem(self, c: SimpleNamespace, stage):
