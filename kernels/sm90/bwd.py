@@ -19,6 +19,10 @@ query blocks of every query head that reads this KV head (GQA sums in place, no 
       dK  += dS^T Q              wgmma, dS^T straight from registers, while dQ is handed over
   Computing S and dP transposed makes P^T and dS^T land in the register layout of the dV and dK
   GEMMs' A operand, so neither goes through shared memory for them.
+* Head dims 192 and 256 (config.split_head_dim): a CTA owns 64 keys; the groups split S^T's and
+  dP^T's query columns and dV's and dK's head-dim columns, so P^T and dS^T reach the dV and dK
+  GEMMs through smem, after one barrier. With one Q / dO buffer (hd 256) dV, dK and dQ run in
+  that order and each buffer is released once its last GEMM is done.
 * Epilogue: dK (times the softmax scale) and dV are converted, staged in K's and V's smem and
   stored by TMA, which clips rows past seqlen_k.
 
