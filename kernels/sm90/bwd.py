@@ -4,9 +4,9 @@ FlashAttention-2 Algorithm 2, mapped onto Hopper. A CTA owns one block of n_bloc
 one KV head (the outer loop of Algorithm 2) and keeps dK, dV for it in registers; it walks the
 query blocks of every query head that reads this KV head (GQA sums in place, no workspace):
 
-* Warp group 0 is the producer. Warp 0 loads K and V once, then Q with its LSE (log2) and dO with
-  its D = rowsum(dO * O) per query block, by TMA into `q_stages`-deep rings guarded by mbarriers
-  (`cutlass.pipeline.PipelineTmaAsync`). Warp 1 adds each query block's dQ from shared memory into
+* Warp group 0 moves data (bwd_transfers.py). Warp 0 loads K and V once, then Q with its LSE
+  (log2) and dO with its D = rowsum(dO * O) per query block, by TMA into `q_stages`-deep rings
+  guarded by mbarriers (`cutlass.pipeline.PipelineTmaAsync`). Warp 1 adds each query block's dQ from shared memory into
   the fp32 dQ sums in global memory with one bulk reduce (`cp.reduce.async.bulk`); with
   `deterministic` it first waits for the key blocks before it (a semaphore per query block).
 * Warp groups 1 and 2 compute; each owns 64 of the keys. Per query block, in this order:
@@ -55,8 +55,6 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.experimental.primitives import cp_reduce_async_bulk_global_shared_cta
-from cutlass.experimental.primitives.nvvm_wrapper import CpReduceType
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
@@ -68,15 +66,11 @@ from ..common.packed16 import convert_f32_to_16bit
 from ..common.softmax import LOG2_E
 from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
+from .bwd_transfers import (
+    DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DS_READY_BARRIER, EPILOGUE_BARRIER, SCORES_FREE_BARRIER, BackwardTransfers,
+)
 from .primitives import gemm
 
-# Named barriers (0 is __syncthreads): both MMA groups' dS is in smem; the dQ staging buffer is
-# free / full (MMA warp groups and the dQ warp); the epilogue's smem reuse.
-DS_READY_BARRIER = 1
-DQ_EMPTY_BARRIER = 2
-DQ_FULL_BARRIER = 3
-EPILOGUE_BARRIER = 4
-SCORES_FREE_BARRIER = 5  # split_head_dim with one buffer: P's and dS's smem may be overwritten
 
 
 def dq_tiled_mma(config) -> cute.TiledMma:
@@ -155,7 +149,7 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-class FlashAttnBwdSm90:
+class FlashAttnBwdSm90(BackwardTransfers):
     """Hopper backward for one configuration (config.py: Sm90BwdConfig). See the module docstring."""
 
     def __init__(self, config: Sm90BwdConfig):
@@ -439,84 +433,6 @@ class FlashAttnBwdSm90:
         head_in_group = i // walk.blocks
         return walk.first_head + head_in_group, walk.m_block_min + i - head_in_group * walk.blocks
 
-    # -------------------------------------------------------------------------------------- producer
-
-    @cute.jit
-    def producer(self, tma_atom_Q, mQ, tma_atom_dO, mdO, tma_atom_K, mK, tma_atom_V, mV, tma_atom_LSE, mLSE,
-                 tma_atom_dPsum, mdPsum, s, pipeline_kv, pipeline_q, pipeline_do, walk, n_block, head_kv, batch):
-        cfg = self.cfg
-        m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipeline_kv.producer_acquire(kv_state)
-        for atom, mX, sX in ((tma_atom_K, mK, s.sK), (tma_atom_V, mV, s.sV)):
-            self.load_tile(atom, mX, sX, (n, d), n_block, head_kv, batch, 0, pipeline_kv.producer_get_barrier(kv_state))
-
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.q_stages)
-        for i in cutlass.range(walk.steps, unroll=1):
-            head, m_block = self.step(walk, i)
-            # Q with its LSE on one barrier, dO with its D on the other; both rings advance together.
-            pipeline_q.producer_acquire(q_state)
-            bar_q = pipeline_q.producer_get_barrier(q_state)
-            self.load_tile(tma_atom_Q, mQ, s.sQ, (m, d), m_block, head, batch, q_state.index, bar_q)
-            self.load_tile(tma_atom_LSE, mLSE, s.sLSE, (m,), m_block, head, batch, q_state.index, bar_q)
-            pipeline_do.producer_acquire(q_state)
-            bar_do = pipeline_do.producer_get_barrier(q_state)
-            self.load_tile(tma_atom_dO, mdO, s.sdO, (m, d), m_block, head, batch, q_state.index, bar_do)
-            self.load_tile(tma_atom_dPsum, mdPsum, s.sdPsum, (m,), m_block, head, batch, q_state.index, bar_do)
-            q_state.advance()
-
-    @cute.jit
-    def load_tile(self, atom, mX, sX, tile: cutlass.Constexpr, block, head, batch, stage, bar):
-        """TMA: block `block` of (head, batch) into stage `stage` of sX, completing on mbarrier `bar`."""
-        tXsX, tXgX = self.tma_views(atom, mX, sX, tile, block, head, batch)
-        cute.copy(atom, tXgX, tXsX[None, stage], tma_bar_ptr=bar)
-
-    @staticmethod
-    def tma_views(atom, mX, sX, tile, block, head, batch):
-        """The TMA views (smem by stage, gmem) of block `block` of `tile`-shaped tiles along the
-        rows of (head, batch)."""
-        rank = len(tile)
-        gX = cute.local_tile(mX[(None,) * rank + (head, batch)], tile, (block,) + (0,) * (rank - 1))
-        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, rank),
-                                     cute.group_modes(gX, 0, rank))
-
-    @cute.jit
-    def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch, tensor_batch, seqlen_q, seqlen_k, window):
-        """Warp 1: each query block's dQ, staged in smem by the MMA warp groups, added to its fp32
-        sums in global memory with one bulk reduce. With `deterministic` the key blocks of a query
-        block add in n_block order: wait for the semaphore to reach n_block (counted from the
-        window's first key block), add, wait until the add has landed, pass the turn on."""
-        cfg = self.cfg
-        tile_elems = cfg.m_block_size * cfg.head_dim
-        sync_threads = cfg.num_mma_threads + 32
-        lane = cute.arch.lane_idx()
-        for i in cutlass.range(walk.steps, unroll=1):
-            head, m_block = self.step(walk, i)
-            if lane == 0:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=sync_threads)
-            if const_expr(cfg.deterministic):
-                lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
-                turn = n_block
-                if const_expr(window is not None):
-                    n_block_min, _ = self.ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
-                    turn = n_block - n_block_min
-                if lane == 0:
-                    while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != turn:
-                        pass
-            cute.arch.barrier(barrier_id=DQ_FULL_BARRIER, number_of_threads=sync_threads)
-            if lane == 0:
-                gdQaccum = cute.local_tile(mdQaccum[tensor_batch, head, None], (tile_elems,), (m_block,))
-                cp_reduce_async_bulk_global_shared_cta(gdQaccum.iterator, sdQ.iterator, tile_elems * 4,
-                                                       type=CpReduceType.F32)
-                cute.arch.cp_async_bulk_commit_group()
-                if const_expr(cfg.deterministic):
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.atomic_add(lock, Int32(1), sem="release", scope="gpu")
-        if lane == 0:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
     # -------------------------------------------------------------------------------------- consumers
 
     @cute.jit
@@ -541,7 +457,8 @@ class FlashAttnBwdSm90:
             # (key, query) coordinates of this thread's S^T elements, and where they go in dS.
             tScS=reshape_acc_to_mn(thr_SdP.partition_C(cute.make_identity_tensor((n, m)))),
             t0ScS=reshape_acc_to_mn(tiled_mma_SdP.get_slice(0).partition_C(cute.make_identity_tensor((n, m)))),
-            thr_SdP=thr_SdP, sdSt=transpose_view(s.sdS), sPt=transpose_view(s.sP) if const_expr(cfg.split_head_dim) else None,
+            thr_SdP=thr_SdP, sdSt=transpose_view(s.sdS),
+            sPt=transpose_view(s.sP) if const_expr(cfg.split_head_dim) else None,
             # dV += P^T dO and dK += dS^T Q, A from registers (from smem with split_head_dim)
             tdVrP=tiled_mma_dKV.make_fragment_A(wg_dKV.partition_A(transpose_view(s.sP)))
             if const_expr(cfg.split_head_dim) else tiled_mma_dKV.make_fragment_A(thr_dKV.partition_shape_A((n, m))),
