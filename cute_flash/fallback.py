@@ -1,6 +1,6 @@
 """GPUs older than sm_80 (V100, T4, ...): the CuTe DSL cannot target them, so the PyTorch entry points
 run torch's `scaled_dot_product_attention` there instead, memory-efficient backend first, and say
-so once per GPU. `forward` and `backward` (the kernels themselves) raise `CudaError` there as before.
+so once per GPU. `forward` and `backward` (the kernels) raise `CudaError` there.
 """
 
 from __future__ import annotations
