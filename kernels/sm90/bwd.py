@@ -108,8 +108,7 @@ def k_smem_layout(config) -> cute.ComposedLayout:
 def q_smem_layout(config) -> cute.ComposedLayout:
     """Q's and dO's (m, d) rings: with split_head_dim the dK and dV GEMMs read them in column
     halves (d = 192: 96 columns, 32-column atoms)."""
-    slice_columns = config.head_dim // (2 if config.split_head_dim else 1)
-    return rows_by_d_smem_layout(config, config.m_block_size, slice_columns, config.q_stages)
+    return rows_by_d_smem_layout(config, config.m_block_size, config.dkv_columns, config.q_stages)
 
 
 def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.Tensor:
@@ -264,7 +263,7 @@ class FlashAttnBwdSm90(BackwardTransfers):
         )
         tiled_mma_dKV = sm90_utils.make_trivial_tiled_mma(
             cfg.dtype, cfg.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=keys_by_group, tiler_mn=(64, d // keys_by_group[1]),
+            atom_layout_mnk=keys_by_group, tiler_mn=(64, cfg.dkv_columns),
             a_source=warpgroup.OperandSource.SMEM if split else warpgroup.OperandSource.RMEM,
         )
         tiled_mma_dQ = dq_tiled_mma(cfg)

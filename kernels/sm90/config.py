@@ -354,6 +354,11 @@ class Sm90BwdConfig:
         return self.head_dim > 128
 
     @property
+    def dkv_columns(self) -> int:
+        """Head-dim columns of dV and dK each MMA group accumulates (and reads of Q and dO)."""
+        return self.head_dim // self.num_wg_mma if self.split_head_dim else self.head_dim
+
+    @property
     def num_mma_threads(self) -> int:
         return 128 * self.num_wg_mma
 
