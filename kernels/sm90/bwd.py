@@ -8,7 +8,7 @@ query blocks of every query head that reads this KV head (GQA sums in place, no 
   (log2) and dO with its D = rowsum(dO * O) per query block, by TMA into `q_stages`-deep rings
   guarded by mbarriers (`cutlass.pipeline.PipelineTmaAsync`). Warp 1 adds each query block's dQ from shared memory into
   the fp32 dQ sums in global memory with one bulk reduce (`cp.reduce.async.bulk`); with
-  `deterministic` it first waits for the key blocks before it (a semaphore per query block).
+  `deterministic` it first waits for the key blocks that add before it (a semaphore per query block).
 * Warp groups 1 and 2 compute; each owns 64 of the keys. Per query block, in this order:
       S^T  = K Q^T               wgmma, both operands in smem (keys are the rows: "transposed")
       dP^T = V dO^T              wgmma (with 128-row query blocks accumulating onto -D)
@@ -332,6 +332,8 @@ class FlashAttnBwdSm90(BackwardTransfers):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(cfg.shortest_walk_first):
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         if warp_idx == 0:
             for atom in (tma_atom_Q, tma_atom_dO, tma_atom_K, tma_atom_V, tma_atom_LSE, tma_atom_dPsum,
                          tma_atom_dK, tma_atom_dV):

@@ -3,7 +3,7 @@
 Warp 0 loads K and V once, then per query block of the walk Q with its LSE and dO with its D into
 the `q_stages`-deep rings that the MMA warp groups of bwd.py drain. Warp 1 adds each query
 block's dQ, staged in smem by the MMA warp groups, to the fp32 sums in global memory with one bulk
-reduce, in n_block order with `deterministic`.
+reduce, in a fixed key-block order with `deterministic`.
 
 `BackwardTransfers` is mixed into FlashAttnBwdSm90 (bwd.py) and uses its `cfg`, `ranges` and `step`.
 """
@@ -73,8 +73,9 @@ class BackwardTransfers:
     def dq_writer(self, mdQaccum, mdQsemaphore, sdQ, walk, n_block, batch, tensor_batch, seqlen_q, seqlen_k, window):
         """Warp 1: each query block's dQ, staged in smem by the MMA warp groups, added to its fp32
         sums in global memory with one bulk reduce. With `deterministic` the key blocks of a query
-        block add in n_block order: wait for the semaphore to reach n_block (counted from the
-        window's first key block), add, wait until the add has landed, pass the turn on."""
+        block add in a fixed order (descending with causal or window masks: cfg.shortest_walk_first):
+        wait for the semaphore to reach this block's turn, add, wait until the add has landed, pass
+        the turn on."""
         cfg = self.cfg
         tile_elems = cfg.m_block_size * cfg.head_dim
         sync_threads = cfg.num_mma_threads + 32
@@ -87,9 +88,12 @@ class BackwardTransfers:
             if const_expr(cfg.deterministic):
                 lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
                 turn = n_block
-                if const_expr(window is not None):
-                    n_block_min, _ = self.ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
-                    turn = n_block - n_block_min
+                if const_expr(cfg.shortest_walk_first):
+                    if const_expr(window is not None):
+                        _, n_block_max = self.ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
+                    else:
+                        _, n_block_max = self.ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
+                    turn = n_block_max - 1 - n_block
                 if lane == 0:
                     while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != turn:
                         pass

@@ -323,7 +323,7 @@ class Sm90BwdConfig:
     dtype: type[cutlass.Numeric]
     head_dim: int
     causal: bool
-    deterministic: bool = False  # dQ added in n_block order (a semaphore per query block)
+    deterministic: bool = False  # dQ added in a fixed key-block order (a semaphore per query block)
     window: bool = False  # sliding window (its sides arrive at call time: call_with_mods)
     alibi: bool = False  # ALiBi bias (slopes at call time)
     softcap: bool = False  # scores capped by softcap * tanh (the cap at call time)
@@ -352,6 +352,14 @@ class Sm90BwdConfig:
         block's columns of S^T and dP^T. Each group then holds only part of P^T and dS^T, so both
         go through shared memory to the dV and dK GEMMs."""
         return self.head_dim > 128
+
+    @property
+    def shortest_walk_first(self) -> bool:
+        """Deterministic with causal or window masks: a key block's walk starts at its diagonal, so
+        the last key block of a query block reaches it first. The key blocks add in descending
+        order and the grid runs them from the last (a CTA only waits for CTAs started before it).
+        In ascending order every CTA waited for key block 0, whose walk is the longest."""
+        return self.deterministic and (self.causal or self.window)
 
     @property
     def dkv_columns(self) -> int:
