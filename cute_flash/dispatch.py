@@ -185,7 +185,6 @@ class BackwardPlan:
     post: Plan
     gqa: bool  # the main kernel writes per-query-head fp32 dK / dV, summed per group by the launcher
     deterministic: bool
-    takes_dropout: bool = True  # the main kernel's call_with_mods has dropout's slots (sm80)
 
     @property
     def m_block_size(self) -> int:
@@ -230,13 +229,13 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
         pre_args = pre_args[:-1] + (fake_int32_vector(), cutlass.Int32(1)) + pre_args[-1:]
     pre = Plan(FlashAttnBwdPreprocessSm80, Sm80BwdPreConfig(cdtype, head_dim, varlen), pre_args, arch,
                entry="call_varlen" if varlen else None)
-    if (family or kernel_family(capability)) == "sm90" and not dropout:
+    if (family or kernel_family(capability)) == "sm90":
         from .kernels.sm90.bwd import FlashAttnBwdSm90
         from .kernels.sm90.bwd_post import FlashAttnBwdPostprocessSm90
         from .kernels.sm90.config import Sm90BwdPostConfig, backward_config
 
         _mod_fields(causal, mods)  # a causal window is refused here as for the forward
-        config = backward_config(cdtype, head_dim, causal, deterministic, *mods, varlen=varlen)
+        config = backward_config(cdtype, head_dim, causal, deterministic, *mods, varlen=varlen, dropout=dropout)
         if config is not None:
             # The row statistics are the launcher's padded buffers, which the Hopper kernel reads by TMA.
             main_args = _backward_main_args(cdtype, head_dim, cdtype, stat_align=16)
@@ -250,12 +249,11 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                             entry="call_varlen")
             else:
                 main = Plan(FlashAttnBwdSm90, config, main_args, arch)
-                if mods != NO_MODS:
-                    main = Plan(FlashAttnBwdSm90, config, main_args[:-1] + fake_score_mods(*mods) + main_args[-1:],
-                                arch, entry="call_with_mods")
+                if mods != NO_MODS or dropout:
+                    main = Plan(FlashAttnBwdSm90, config, main_args[:-1] + fake_score_mods(*mods)
+                                + fake_dropout_args(dropout) + main_args[-1:], arch, entry="call_with_mods")
                 post = Plan(FlashAttnBwdPostprocessSm90, post_config, post_args, arch)
-            return BackwardPlan(pre=pre, main=main, post=post, gqa=False, deterministic=deterministic,
-                                takes_dropout=False)
+            return BackwardPlan(pre=pre, main=main, post=post, gqa=False, deterministic=deterministic)
     tiles = bwd_default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)

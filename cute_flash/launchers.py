@@ -36,7 +36,6 @@ from typing import Callable
 import torch
 
 from .dispatch import BackwardPlan, DecodePlan, Plan
-from .errors import UnsupportedArgumentError
 from .kernels.common.layouts import STAT_ROW_PAD, round_up
 from .kernels.sm90.config import Sm90FwdConfig
 from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_work
@@ -94,18 +93,6 @@ def _walk_plan(device_index: int, seqlen_q: int, seqlen_k: int, num_heads_batch:
                num_sms: int) -> torch.Tensor:
     plan = plan_walk(seqlen_q, seqlen_k, num_heads_batch, tile_m, tile_n, num_sms)
     return torch.tensor(plan, dtype=torch.int32, device=torch.device("cuda", device_index))
-
-
-# window left, window right, softcap, ALiBi slopes (api._score_mods)
-SCORE_MOD_ARGS = 4
-
-
-def _score_mods_only(mods: tuple) -> tuple:
-    """The Hopper backward's modification values: it has no dropout (dispatch sends dropout
-    backwards to the sm80 kernel), so the empty dropout slots api._dropout appends stay behind."""
-    if any(value is not None for value in mods[SCORE_MOD_ARGS:]):
-        raise UnsupportedArgumentError("the Hopper backward has no dropout; dispatch plans it on the sm80 kernel")
-    return mods[:SCORE_MOD_ARGS]
 
 
 def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
@@ -174,8 +161,6 @@ def backward_launcher(plan: BackwardPlan) -> Callable:
     pre, main, post = (p.compiled() for p in (plan.pre, plan.main, plan.post))
 
     def launch(dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, *mods):
-        if not plan.takes_dropout:
-            mods = _score_mods_only(mods)
         _backward_sm80(pre, main, post, plan, dout, q, k, v, out, lse, dq, dk, dv, softmax_scale, mods)
 
     return launch

@@ -21,9 +21,11 @@ it) and draws (seed, offset) from torch's CUDA generator.
 
     rng = DropoutRng.create(philox_seed, philox_offset, threshold, batch * nheads + head)   # per CTA
     apply_dropout(acc_S, thr_mma, tile_m, tile_n, m_block, n_block, rng, encode_in_sign)
+    apply_dropout_transposed(acc_St, thr_mma, tile_n, tile_m, n_block, m_block, rng)
         Dropped scores become 0 (forward: P's row sums are taken before, so LSE is unchanged and
         the 1 / (1 - p) rescale goes with the final 1 / row_sum), or -P with encode_in_sign (the
         backward: dV's 16-bit P takes max(P, 0), and dS needs P of dropped entries too).
+        The second form takes S^T (the Hopper backward's), sign-encoded.
     dropout_dS(p_signed, dp, dpsum, scale)
         The backward's dS of one element from its sign-encoded P: P * (dP / (1 - p) - D) if
         kept, -P * D if dropped (D = rowsum(dO * O) of the dropped-and-rescaled O).
@@ -105,6 +107,53 @@ def apply_dropout(
                 acc_S_mn[r, c] = acc_S_mn[r, c] if keep else -acc_S_mn[r, c]
             else:
                 acc_S_mn[r, c] = acc_S_mn[r, c] if keep else acc_S_mn.element_type(0.0)
+
+
+@cute.jit
+def apply_dropout_transposed(
+    acc_St: cute.Tensor,
+    thr_mma,
+    tile_n: cutlass.Constexpr[int],
+    tile_m: cutlass.Constexpr[int],
+    n_block: Int32,
+    m_block: Int32,
+    rng: DropoutRng,
+) -> None:
+    """apply_dropout (sign-encoded) on S^T, keys as rows and queries as columns, as the Hopper
+    backward computes it: the same Philox words per (query, key) element as the forward.
+
+    A thread holds keys r, r + 8 and, per 16 columns, queries c, c + 1, c + 8, c + 9 (c even); a
+    Philox group covers queries (i, i + 8) and keys (j, j + 1), j even, i.e. key rows that lanes 4
+    apart hold. So each lane draws one group per query column pair and trades half of its words
+    with lane ^ 4: the lane whose first key is even draws the pair (r, r + 1) and keeps key r's
+    words, its partner the pair (r + 8, r + 9) and keeps key r + 9's (its own second row)."""
+    acc_mn = reshape_acc_to_mn(acc_St)
+    tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, (tile_n, tile_m))
+    k_offset = tScS_mn[0][0] + n_block * tile_n
+    q_offset = tScS_mn[0][1] + m_block * tile_m
+    odd = (k_offset & 1) == 1
+    for key, query, members in _transposed_groups(t0ScS_mn, cute.size(acc_mn, mode=[0]), cute.size(acc_mn, mode=[1])):
+        j = k_offset + key + 7 * (k_offset & 1)
+        i = q_offset + query
+        w = philox4x32(Uint32(j >> 1), Uint32((i >> 4) * 8 + (i & 7)), rng.c2, rng.c3, rng.k0, rng.k1)
+        # words of (query i, key j): w[0]; (i, j + 1): w[1]; (i + 8, j): w[2]; (i + 8, j + 1): w[3]
+        kept = (w[1] if odd else w[0], w[3] if odd else w[2])
+        traded = (cute.arch.shuffle_sync_bfly(w[0] if odd else w[1], 4),
+                  cute.arch.shuffle_sync_bfly(w[2] if odd else w[3], 4))
+        # first key row: the even lane's own words, the odd lane's traded ones; the second row the reverse
+        words = ((traded[0] if odd else kept[0], traded[1] if odd else kept[1]),
+                 (kept[0] if odd else traded[0], kept[1] if odd else traded[1]))
+        for second_row, second_col, r, c in members:
+            keep = words[second_row][second_col] >= rng.threshold
+            acc_mn[r, c] = acc_mn[r, c] if keep else -acc_mn[r, c]
+
+
+def _transposed_groups(t0ScS_mn, num_rows: int, num_cols: int):
+    """Thread 0's S^T elements by Philox group: (key, query) of the group's first element and,
+    per member, (second key row, second query column, r, c) (trace time)."""
+    at = {tuple(t0ScS_mn[r, c]): (r, c) for r in range(num_rows) for c in range(num_cols)}
+    return [(key, query, [(dr, dc) + at[(key + 8 * dr, query + 8 * dc)] for dr in (0, 1) for dc in (0, 1)])
+            for (key, query) in at if key % 16 == 0 and query % 16 < 8]
 
 
 def _philox_groups(t0ScS_mn, num_rows: int, num_cols: int):

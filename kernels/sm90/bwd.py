@@ -53,7 +53,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
@@ -63,6 +63,7 @@ from ..common.layouts import (
 )
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
+from ..common.philox import DropoutRng, apply_dropout_transposed, dropout_dS
 from ..common.softmax import LOG2_E
 from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
@@ -200,12 +201,19 @@ class FlashAttnBwdSm90(BackwardTransfers):
         window_right: Int32 | None,
         softcap: Float32 | None,
         mAlibiSlopes: cute.Tensor | None,
+        philox_seed: Int64 | None,
+        philox_offset: Int64 | None,
+        dropout_threshold: Int32 | None,
+        dropout_scale: Float32 | None,
         stream: cuda.CUstream,
     ):
-        """A kernel with a window, softcap or ALiBi (config.window / softcap / alibi): their values
-        as the forward's `call_with_mods` takes them, None for each the configuration leaves out."""
+        """A kernel with a window, softcap, ALiBi or dropout (config.window / softcap / alibi /
+        dropout): their values as the forward's `call_with_mods` takes them (dropout: the forward's
+        seed, offset and threshold, which regenerate its mask), None for each the configuration
+        leaves out."""
         self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
-                    window_left, window_right, softcap, mAlibiSlopes, stream)
+                    window_left, window_right, softcap, mAlibiSlopes, stream,
+                    dropout_args=(philox_seed, philox_offset, dropout_threshold, dropout_scale))
 
     @cute.jit
     def call_varlen(
@@ -241,7 +249,8 @@ class FlashAttnBwdSm90(BackwardTransfers):
 
     @cute.jit
     def launch(self, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale: Float32,
-               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream, varlen_args=(None,) * 3):
+               window_left, window_right, softcap, mAlibiSlopes, stream: cuda.CUstream, varlen_args=(None,) * 3,
+               dropout_args=(None,) * 4):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch); row statistics -> (rows, heads, batch).
@@ -303,7 +312,7 @@ class FlashAttnBwdSm90(BackwardTransfers):
             varlen_kwargs = dict(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, mdK_rows=mdK, mdV_rows=mdV)
         # P's exponent runs at scale softcap with softcap (the forward's parametrization)
         score_scale, mods = kernel_mod_args(cfg.window, cfg.softcap, cfg.alibi, softmax_scale, window_left,
-                                            window_right, softcap, mAlibiSlopes)
+                                            window_right, softcap, mAlibiSlopes, cfg.dropout, dropout_args)
         self.kernel(
             tma_atom_Q, tma_Q, tma_atom_dO, tma_dO, tma_atom_K, tma_K, tma_atom_V, tma_V,
             tma_atom_LSE, tma_LSE, tma_atom_dPsum, tma_dPsum, tma_atom_dK, tma_dK, tma_atom_dV, tma_dV,
@@ -327,6 +336,8 @@ class FlashAttnBwdSm90(BackwardTransfers):
         mAlibiSlopes: cute.Tensor | None = None, alibi_scale: Float32 | None = None,
         mCuSeqlensQ: cute.Tensor | None = None, mCuSeqlensK: cute.Tensor | None = None,
         mdK_rows: cute.Tensor | None = None, mdV_rows: cute.Tensor | None = None,
+        philox_seed: Int64 | None = None, philox_offset: Int64 | None = None, dropout_threshold: Int32 | None = None,
+        dropout_scale: Float32 | None = None,
     ):
         cfg = self.cfg
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -406,7 +417,9 @@ class FlashAttnBwdSm90(BackwardTransfers):
                 self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
                               tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch,
                               seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
-                              softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows)
+                              softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows,
+                              SimpleNamespace(seed=philox_seed, offset=philox_offset, threshold=dropout_threshold,
+                                              scale=dropout_scale, num_heads=mQ.shape[2]))
 
     @cute.jit
     def query_walk(self, n_block: Int32, head_kv: Int32, seqlen_q: Int32, seqlen_k: Int32, num_heads: Int32,
@@ -439,7 +452,8 @@ class FlashAttnBwdSm90(BackwardTransfers):
     @cute.jit
     def consumer(self, tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
                  tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch, seqlen_q, seqlen_k,
-                 softmax_scale, softmax_scale_log2, tidx, window, softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows):
+                 softmax_scale, softmax_scale_log2, tidx, window, softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows,
+                 dropout):
         cfg = self.cfg
         m, n, d = cfg.m_block_size, cfg.n_block_size, cfg.head_dim
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -479,6 +493,7 @@ class FlashAttnBwdSm90(BackwardTransfers):
             softcap_pre=softcap_pre,
             # ALiBi's slope of this step's query head (GQA: the heads of a walk differ)
             mAlibiSlopes=mAlibiSlopes, alibi_scale=alibi_scale, batch=batch,
+            dropout=dropout,  # Philox seed, offset, keep threshold, 1 / (1 - p), heads (each head its stream)
         )
         c.acc_dV.fill(0.0)
         c.acc_dK.fill(0.0)
@@ -573,13 +588,25 @@ class FlashAttnBwdSm90(BackwardTransfers):
             lse = self.column_stat(c, c.sLSE, lse_shares, stage, j)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, j] = cute.math.exp2(acc_S_mn[r, j] * c.scale_log2 - lse, fastmath=True)
+        if const_expr(cfg.dropout):
+            # the forward's keep mask, drawn again while dP^T runs; dropped entries as -P
+            rng = DropoutRng.create(c.dropout.seed, c.dropout.offset, c.dropout.threshold,
+                                    c.batch * c.dropout.num_heads + head)
+            apply_dropout_transposed(c.acc_S, c.thr_SdP, cfg.n_block_size, cfg.m_block_size, c.n_block, m_block, rng)
 
         warpgroup.wait_group(0)  # dP^T is ready
         for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
             # with shared_stats dP^T already holds -D
             dpsum = Float32(0.0) if const_expr(cfg.shared_stats) else c.sdPsum[c.tScS[0, j][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+                if const_expr(cfg.dropout):
+                    acc_dP_mn[r, j] = dropout_dS(acc_S_mn[r, j], acc_dP_mn[r, j], dpsum, c.dropout.scale)
+                else:
+                    acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+        if const_expr(cfg.dropout):
+            # dV's P is the kept P (rescaled by 1 / (1 - p) with dV at the end)
+            for i in cutlass.range_constexpr(cute.size(c.acc_S)):
+                c.acc_S[i] = cutlass.max(c.acc_S[i], Float32(0.0))
         if const_expr(cfg.softcap):
             c.acc_dP.store(c.acc_dP.load() * dtanh.load().to(Float32))
         if const_expr(cfg.split_head_dim):
@@ -693,6 +720,8 @@ class FlashAttnBwdSm90(BackwardTransfers):
         that stop at its last key."""
         n, d = self.cfg.n_block_size, self.cfg.head_dim
         c.acc_dK.store(c.acc_dK.load() * softmax_scale)
+        if const_expr(self.cfg.dropout):
+            c.acc_dV.store(c.acc_dV.load() * c.dropout.scale)
         # Both groups' last dQ GEMMs read all of K: wait for them before overwriting it.
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_mma_threads)
         stage_acc_in_smem(c.acc_dV, s.sV[None, None, 0], c.tiled_mma_dKV, tidx)

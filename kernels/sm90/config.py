@@ -329,6 +329,7 @@ class Sm90BwdConfig:
     softcap: bool = False  # scores capped by softcap * tanh (the cap at call time)
     # Packed variable-length batches (`call_varlen`): bounds from cu_seqlens, dK / dV by plain stores.
     varlen: bool = False
+    dropout: bool = False  # the forward's Philox keep mask, drawn again (kernels/common/philox.py)
     m_block_size: int = 64  # query rows per step
     n_block_size: int = 128  # keys per CTA: 64 per MMA warp group (one 64-key block with split_head_dim)
     q_stages: int = 2  # Q (with its LSE) and dO (with its D) buffers in flight
@@ -399,24 +400,26 @@ def backward_smem_bytes(config: Sm90BwdConfig) -> int:
 
 
 def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, window: bool = False,
-                    softcap: bool = False, alibi: bool = False, varlen: bool = False) -> Sm90BwdConfig | None:
+                    softcap: bool = False, alibi: bool = False, varlen: bool = False,
+                    dropout: bool = False) -> Sm90BwdConfig | None:
     """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
     if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
     # Spills per MMA thread (2026-11-28 compile reports; none in the split_head_dim kernels):
     if alibi and causal and head_dim in (96, 128):  # 56 bytes
         return None
-    if softcap and head_dim == 128:  # 8-88 bytes
+    if (softcap or dropout) and head_dim == 128:  # 8-88 bytes; dropout's Philox draws 80
         return None
     if varlen and window and not alibi and head_dim == 128:
         return None  # spills 32 bytes per MMA thread (2026-11-28 compile report; with ALiBi it does not)
     # 128-row query blocks where they fit the 240 registers without spilling: hd 64 non-causal
-    # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md).
-    m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap) else 64
+    # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md),
+    # nor dropout (its dS needs D apart from dP, where shared_stats folds it in).
+    m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap or dropout) else 64
     # Above hd 128 (split_head_dim) one 64-key block per CTA; at hd 256 one Q / dO buffer each
     # (two would need 272 KB of smem with dQ's 64 KB staging buffer).
     tiles = dict(n_block_size=64, q_stages=1 if head_dim > 192 else 2) if head_dim > 128 else {}
     config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, varlen=varlen,
-                           m_block_size=m_block_size, **tiles)
+                           dropout=dropout, m_block_size=m_block_size, **tiles)
     assert backward_smem_bytes(config) <= SMEM_BYTES
     return config

@@ -132,6 +132,11 @@ VARIANTS = [
     ("bwd", torch.bfloat16, 128, False, False, True, dispatch.NO_MODS, (9, 0)),
     ("bwd", torch.float16, 256, True, False, False, dispatch.NO_MODS, (9, 0)),
     ("bwd", torch.bfloat16, 72, False, False, True, dispatch.NO_MODS, (9, 0)),
+    # the Hopper backward: every head dim it takes dropout at, modifications, deterministic
+    ("bwd", torch.float16, 64, False, False, False, (True, True, True), (9, 0)),
+    ("bwd", torch.bfloat16, 96, True, True, False, dispatch.NO_MODS, (9, 0)),
+    ("bwd", torch.float16, 192, True, False, False, dispatch.NO_MODS, (9, 0)),
+    ("bwd", torch.bfloat16, 256, False, True, False, (False, True, True), (9, 0)),
     # the Hopper forward: three- and two-group tiles, a window with dropout; hd 192 stays sm80
     ("fwd", torch.bfloat16, 64, False, False, False, dispatch.NO_MODS, (9, 0)),
     ("fwd", torch.float16, 64, True, False, False, dispatch.NO_MODS, (9, 0)),
@@ -155,25 +160,31 @@ def test_dropout_kernels_compile_without_spills(variant):
     if pass_name == "fwd":
         plan = dispatch.plan_forward(capability, dtype, head_dim, causal, num_sms=132, mods=mods, dropout=True)
     else:
-        plan = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, family="sm90",
-                                      mods=mods, dropout=True).main
+        plan = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods,
+                                      dropout=True).main
     hopper_forward = (pass_name == "fwd" and capability == (9, 0) and dtype != torch.float32 and head_dim <= 128
                       and not mods[2])
-    assert plan.family == ("sm90" if hopper_forward else "sm80") and plan.entry == "call_with_mods"
+    hopper_backward = (pass_name == "bwd" and capability == (9, 0) and dtype != torch.float32
+                       and head_dim in (64, 96, 192, 256))
+    assert plan.family == ("sm90" if hopper_forward or hopper_backward else "sm80") and plan.entry == "call_with_mods"
     assert plan.config.dropout
     kernel, args = plan.build()
     report = compile_report(kernel, args, arch=plan.arch)
     assert "mul.hi.u32" in report.ptx  # the Philox rounds
+    # S^T's Philox words are traded between lanes 4 apart (philox.apply_dropout_transposed)
+    assert "shfl.sync.bfly" in report.ptx or not hopper_backward
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
-def test_hopper_backward_launch_refuses_dropout_values():
-    """The Hopper backward takes the four score-modification values only: dropout's empty slots
-    stay behind, and a dropout value reaching it is refused, not dropped."""
-    from cute_flash.errors import UnsupportedArgumentError
-    from cute_flash.launchers import _score_mods_only
-
-    assert _score_mods_only((10, 0, None, None) + (None,) * 4) == (10, 0, None, None)
-    assert _score_mods_only(()) == ()
-    with pytest.raises(UnsupportedArgumentError, match="no dropout"):
-        _score_mods_only((10, 0, None, None, 7, 0, 123, 1.25))
+def test_hopper_backward_dropout_dispatch():
+    """On sm_90 a dropout backward runs the Hopper kernel (its call_with_mods takes the dropout
+    values after the four score modifications) except at head dim 128, where the Philox draws
+    spill; fp32 and the other head dims keep the sm80 kernel."""
+    for head_dim in (64, 96, 128, 192, 256, 72):
+        plan = dispatch.plan_backward((9, 0), torch.bfloat16, head_dim, False, dropout=True).main
+        hopper = head_dim in (64, 96, 192, 256)
+        assert plan.family == ("sm90" if hopper else "sm80") and plan.entry == "call_with_mods"
+        assert plan.config.dropout and len(plan.fake_args) == 12 + 4 + 4  # the main arguments, mods, dropout
+    assert dispatch.plan_backward((9, 0), torch.float32, 64, False, dropout=True).main.family == "sm80"
+    assert dispatch.plan_backward((9, 0), torch.bfloat16, 64, False).main.config.m_block_size == 128
+    assert dispatch.plan_backward((9, 0), torch.bfloat16, 64, False, dropout=True).main.config.m_block_size == 64

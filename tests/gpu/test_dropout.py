@@ -2,8 +2,9 @@
 regenerated on the host (cute_flash.dropout.dropout_keep_mask, the kernels' own Philox mapping),
 within the yardstick (tests/gpu/common.py, its emulation dropping the same entries); the keep rate;
 reproducibility from torch's generator. The forward runs the Hopper forward on an H100 / H200 for
-fp16 / bf16 at head dims 64, 96 and 128, the sm80 one otherwise; every dropout backward is an sm80
-kernel. The mask is a function of element coordinates, so the two families draw the same one.
+fp16 / bf16 at head dims 64, 96 and 128, the sm80 one otherwise; the backward the Hopper backward
+at head dims 64, 96, 192 and 256 (it draws the mask on S^T), the sm80 one otherwise. The mask is a
+function of element coordinates, so every kernel draws the same one.
 `python -m tests.gpu.test_dropout --warm` compiles every kernel the tests below run, several at once.
 """
 
@@ -16,13 +17,14 @@ import cute_flash
 from cute_flash.dropout import draw_rng_state, dropout_keep_mask
 from cute_flash.flash_attn_interface import flash_attn_func, flash_attn_qkvpacked_func
 
-from .common import assert_backward_accurate, assert_forward_accurate, expected_forward_family, randn, served_by
+from .common import (assert_backward_accurate, assert_forward_accurate, expected_backward_family,
+                     expected_forward_family, randn, served_by)
 
 pytestmark = pytest.mark.gpu
 
-# (dtype, head dim, nheads, nheads_kv): both 16-bit dtypes, fp32, 64 and 128, a padded head dim, GQA
+# (dtype, head dim, nheads, nheads_kv): both 16-bit dtypes, fp32, 64 to 256, a padded head dim, GQA
 CONFIGS = [(torch.float16, 64, 4, 4), (torch.bfloat16, 128, 4, 2), (torch.bfloat16, 72, 2, 1),
-           (torch.float32, 64, 2, 2)]
+           (torch.float32, 64, 2, 2), (torch.bfloat16, 96, 4, 2), (torch.float16, 256, 2, 1)]
 SHAPES = [(1, 1), (113, 203), (640, 77), (517, 1000)]
 P = 0.17
 
@@ -40,6 +42,11 @@ def dropout_forward_family(head_dim: int, dtype, alibi: bool = False) -> str:
     return expected_forward_family(head_dim, dtype) if head_dim <= 128 and not alibi else "sm80"
 
 
+def dropout_backward_family(head_dim: int, dtype) -> str:
+    """The Hopper backward has dropout except at head dim 128 (its Philox draws spill there)."""
+    return expected_backward_family(head_dim, dtype) if head_dim != 128 else "sm80"
+
+
 def run(q, k, v, dout, causal, p=P, seed=0, deterministic=False, **mods):
     """flash_attn_func with dropout from torch's generator after manual_seed(seed): out, lse,
     grads and the call's (seed, offset)."""
@@ -48,7 +55,7 @@ def run(q, k, v, dout, causal, p=P, seed=0, deterministic=False, **mods):
     offset = torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
     with served_by(dropout_forward_family(q.shape[-1], q.dtype, mods.get("alibi_slopes") is not None)):
         out, lse = flash_attn_func(q, k, v, p, causal=causal, deterministic=deterministic, return_lse=True, **mods)
-    with served_by("sm80"):
+    with served_by(dropout_backward_family(q.shape[-1], q.dtype)):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     return out, lse, grads, torch.tensor([seed, offset], dtype=torch.int64)
 
@@ -65,10 +72,15 @@ def test_dropout_matches_reference_with_regenerated_mask(config, shape, causal):
     assert_backward_accurate(grads, dout, q, k, v, causal, dropout_p=P, dropout_keep=keep)
 
 
-@pytest.mark.parametrize("mods", [dict(window_size=(17, 0)), dict(softcap=20.0)], ids=str)
-def test_dropout_with_score_modifications(mods):
-    q, k, v, dout = inputs((torch.bfloat16, 128, 4, 2), 300, 333)
-    out, lse, grads, rng_state = run(q, k, v, dout, False, **mods)
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("mods", [dict(window_size=(17, 0)), dict(softcap=20.0),
+                                  dict(window_size=(90, 40), softcap=20.0, alibi_slopes=True)], ids=str)
+@pytest.mark.parametrize("config", [(torch.bfloat16, 128, 4, 2), (torch.float16, 64, 4, 2)], ids=str)
+def test_dropout_with_score_modifications(config, mods, deterministic):
+    q, k, v, dout = inputs(config, 300, 333)
+    if "alibi_slopes" in mods:
+        mods = dict(mods, alibi_slopes=torch.rand(2, 4, device="cuda", dtype=torch.float32))
+    out, lse, grads, rng_state = run(q, k, v, dout, False, deterministic=deterministic, **mods)
     keep = dropout_keep_mask(2, 4, 300, 333, P, rng_state, device="cuda")
     assert_forward_accurate(out, lse, q, k, v, False, dropout_p=P, dropout_keep=keep, **mods)
     assert_backward_accurate(grads, dout, q, k, v, False, dropout_p=P, dropout_keep=keep, **mods)
@@ -129,9 +141,10 @@ def _jobs():
     """(dtype, head dim, causal, mods flags, deterministic, gqa) of every kernel set the tests run."""
     jobs = {(str(dtype), head_dim, causal, (False, False, False), False, nheads != nheads_kv)
             for dtype, head_dim, nheads, nheads_kv in CONFIGS for causal in (False, True)}
-    jobs |= {("torch.bfloat16", 128, False, (True, False, False), False, True),
-             ("torch.bfloat16", 128, False, (False, True, False), False, True),
-             ("torch.bfloat16", 64, True, (False, False, False), True, True),
+    jobs |= {(dtype, head_dim, False, flags, det, True)
+             for dtype, head_dim in (("torch.bfloat16", 128), ("torch.float16", 64))
+             for flags in ((True, False, False), (False, True, False), (True, True, True)) for det in (False, True)}
+    jobs |= {("torch.bfloat16", 64, True, (False, False, False), True, True),
              ("torch.float16", 64, False, (False, False, False), False, False)}
     return sorted(jobs, key=str)
 
