@@ -21,13 +21,11 @@ it) and draws (seed, offset) from torch's CUDA generator.
 
     rng = DropoutRng.create(philox_seed, philox_offset, threshold, batch * nheads + head)   # per CTA
     apply_dropout(acc_S, thr_mma, tile_m, tile_n, m_block, n_block, rng, encode_in_sign)
-    bits = keep_bits_transposed(acc_St, thr_mma, tile_n, tile_m, n_block, m_block, rng)
-    keep_or_zero(x, bits, r, c, num_rows)
+    apply_dropout_transposed(acc_St, thr_mma, tile_n, tile_m, n_block, m_block, rng)
         Dropped scores become 0 (forward: P's row sums are taken before, so LSE is unchanged and
         the 1 / (1 - p) rescale goes with the final 1 / row_sum), or -P with encode_in_sign (the
         backward: dV's 16-bit P takes max(P, 0), and dS needs P of dropped entries too).
-        The second form draws the mask of S^T (the Hopper backward's) as bits, apart from where
-        it is applied (x of element (r, c) of the accumulator's (rows, cols) view, or 0 if dropped).
+        The second form takes S^T (the Hopper backward's), sign-encoded.
     dropout_dS(p_signed, dp, dpsum, scale)
         The backward's dS of one element from its sign-encoded P: P * (dP / (1 - p) - D) if
         kept, -P * D if dropped (D = rowsum(dO * O) of the dropped-and-rescaled O).
@@ -40,8 +38,6 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import dsl_user_op
 
 from .layouts import acc_coordinates, reshape_acc_to_mn
 
@@ -114,7 +110,7 @@ def apply_dropout(
 
 
 @cute.jit
-def keep_bits_transposed(
+def apply_dropout_transposed(
     acc_St: cute.Tensor,
     thr_mma,
     tile_n: cutlass.Constexpr[int],
@@ -122,56 +118,42 @@ def keep_bits_transposed(
     n_block: Int32,
     m_block: Int32,
     rng: DropoutRng,
-) -> Uint32:
-    """The keep mask of this thread's elements of S^T (keys as rows, queries as columns: the
-    Hopper backward's), one bit per element, element (r, c) of the (rows, cols) view at bit
-    c * rows + r: the same Philox words per (query, key) as the forward. Only acc_St's layout is
-    read, so the mask can be drawn while a GEMM writes the accumulator.
+) -> None:
+    """apply_dropout (sign-encoded) on S^T, keys as rows and queries as columns, as the Hopper
+    backward computes it: the same Philox words per (query, key) element as the forward.
 
     A thread holds keys r, r + 8 and, per 16 columns, queries c, c + 1, c + 8, c + 9 (c even); a
     Philox group covers queries (i, i + 8) and keys (j, j + 1), j even, i.e. key rows that lanes 4
     apart hold. So each lane draws one group per query column pair and trades half of its words
     with lane ^ 4: the lane whose first key is even draws the pair (r, r + 1) and keeps key r's
     words, its partner the pair (r + 8, r + 9) and keeps key r + 9's (its own second row)."""
-    num_rows, num_cols = cute.size(reshape_acc_to_mn(acc_St), mode=[0]), cute.size(reshape_acc_to_mn(acc_St), mode=[1])
+    acc_mn = reshape_acc_to_mn(acc_St)
     tScS_mn, t0ScS_mn = acc_coordinates(thr_mma, (tile_n, tile_m))
-    # Thread 0 holds keys 0 and 8 and, per 16 queries, columns 0, 1, 8, 9 (the wgmma accumulator),
-    # one 32-bit word of bits in all: column block b's 8 elements are bits 8b ... 8b + 7.
-    assert num_rows == 2 and num_rows * num_cols <= 32 and t0ScS_mn[1, 0][0] == 8
-    assert [t0ScS_mn[0, c][1] for c in range(num_cols)] == [16 * (c // 4) + 8 * (c % 4 // 2) + c % 2
-                                                            for c in range(num_cols)]
     k_offset = tScS_mn[0][0] + n_block * tile_n
     q_offset = tScS_mn[0][1] + m_block * tile_m
     odd = (k_offset & 1) == 1
-    j = k_offset + 7 * (k_offset & 1)  # the first key of the pair this lane draws
-    bits = Uint32(0)
-    # A runtime loop: unrolled, ptxas ran every draw's rounds at once and spilled (hd 128).
-    for block in cutlass.range(num_cols // 4, unroll=1):
-        for d in cutlass.range_constexpr(2):  # queries c + d and c + 8 + d
-            i = q_offset + 16 * block + d
-            w = philox4x32(Uint32(j >> 1), Uint32((i >> 4) * 8 + (i & 7)), rng.c2, rng.c3, rng.k0, rng.k1)
-            # words of (query i, key j): w[0]; (i, j + 1): w[1]; (i + 8, j): w[2]; (i + 8, j + 1): w[3]
-            kept = (w[1] if odd else w[0], w[3] if odd else w[2])
-            traded = (cute.arch.shuffle_sync_bfly(w[0] if odd else w[1], 4),
-                      cute.arch.shuffle_sync_bfly(w[2] if odd else w[3], 4))
-            # first key row: the even lane's own words, the odd lane's traded ones; the second row the reverse
-            words = ((traded[0] if odd else kept[0], traded[1] if odd else kept[1]),
-                     (kept[0] if odd else traded[0], kept[1] if odd else traded[1]))
-            for row in cutlass.range_constexpr(2):
-                for half in cutlass.range_constexpr(2):  # query i or i + 8: mn columns 4b + d + 2 * half
-                    keep = Uint32(1) if words[row][half] >= rng.threshold else Uint32(0)
-                    bits = bits | (keep << Uint32(8 * block + (d + 2 * half) * 2 + row))
-    return bits
+    for key, query, members in _transposed_groups(t0ScS_mn, cute.size(acc_mn, mode=[0]), cute.size(acc_mn, mode=[1])):
+        j = k_offset + key + 7 * (k_offset & 1)
+        i = q_offset + query
+        w = philox4x32(Uint32(j >> 1), Uint32((i >> 4) * 8 + (i & 7)), rng.c2, rng.c3, rng.k0, rng.k1)
+        # words of (query i, key j): w[0]; (i, j + 1): w[1]; (i + 8, j): w[2]; (i + 8, j + 1): w[3]
+        kept = (w[1] if odd else w[0], w[3] if odd else w[2])
+        traded = (cute.arch.shuffle_sync_bfly(w[0] if odd else w[1], 4),
+                  cute.arch.shuffle_sync_bfly(w[2] if odd else w[3], 4))
+        # first key row: the even lane's own words, the odd lane's traded ones; the second row the reverse
+        words = ((traded[0] if odd else kept[0], traded[1] if odd else kept[1]),
+                 (kept[0] if odd else traded[0], kept[1] if odd else traded[1]))
+        for second_row, second_col, r, c in members:
+            keep = words[second_row][second_col] >= rng.threshold
+            acc_mn[r, c] = acc_mn[r, c] if keep else -acc_mn[r, c]
 
 
-@dsl_user_op
-def keep_or_zero(x: Float32, bits: Uint32, r: int, c: int, num_rows: int, *, loc=None, ip=None) -> Float32:
-    """x where keep_bits_transposed's mask keeps element (r, c) of the (rows, cols) view, else
-    +0.0: an AND of x's bits with a mask made of the keep bit, so no predicate is held (selects
-    on 32 predicates spilled at hd 128)."""
-    all_or_none = Uint32(0) - ((bits >> Uint32(c * num_rows + r)) & Uint32(1))
-    x_bits = Uint32(llvm.bitcast(Uint32.mlir_type, Float32(x).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
-    return Float32(llvm.bitcast(Float32.mlir_type, (x_bits & all_or_none).ir_value(loc=loc, ip=ip), loc=loc, ip=ip))
+def _transposed_groups(t0ScS_mn, num_rows: int, num_cols: int):
+    """Thread 0's S^T elements by Philox group: (key, query) of the group's first element and,
+    per member, (second key row, second query column, r, c) (trace time)."""
+    at = {tuple(t0ScS_mn[r, c]): (r, c) for r in range(num_rows) for c in range(num_cols)}
+    return [(key, query, [(dr, dc) + at[(key + 8 * dr, query + 8 * dc)] for dr in (0, 1) for dc in (0, 1)])
+            for (key, query) in at if key % 16 == 0 and query % 16 < 8]
 
 
 def _philox_groups(t0ScS_mn, num_rows: int, num_cols: int):

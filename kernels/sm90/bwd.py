@@ -63,7 +63,7 @@ from ..common.layouts import (
 )
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
-from ..common.philox import DropoutRng, keep_bits_transposed, keep_or_zero
+from ..common.philox import DropoutRng, apply_dropout_transposed, dropout_dS
 from ..common.softmax import LOG2_E
 from ..common.stores import stage_acc_in_smem, store_smem_tile
 from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
@@ -551,13 +551,6 @@ class FlashAttnBwdSm90(BackwardTransfers):
         stage = q_state.index
         c.pipeline_q.consumer_wait(q_state)
         gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage], zero_init=True)
-        if const_expr(cfg.dropout):
-            # The forward's keep mask, drawn again while the S GEMM runs and before the dP GEMM
-            # takes its registers (drawn later, with both in flight, hd 128 spilled 80 bytes).
-            rng = DropoutRng.create(c.dropout.seed, c.dropout.offset, c.dropout.threshold,
-                                    c.batch * c.dropout.num_heads + head)
-            keep_bits = keep_bits_transposed(c.acc_S, c.thr_SdP, cfg.n_block_size, cfg.m_block_size, c.n_block,
-                                             m_block, rng)
         lse_shares = self.stat_shares(c, c.sLSE, stage)
         c.pipeline_do.consumer_wait(q_state)
         acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
@@ -595,6 +588,11 @@ class FlashAttnBwdSm90(BackwardTransfers):
             lse = self.column_stat(c, c.sLSE, lse_shares, stage, j)
             for r in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[0])):
                 acc_S_mn[r, j] = cute.math.exp2(acc_S_mn[r, j] * c.scale_log2 - lse, fastmath=True)
+        if const_expr(cfg.dropout):
+            # the forward's keep mask, drawn again while dP^T runs; dropped entries as -P
+            rng = DropoutRng.create(c.dropout.seed, c.dropout.offset, c.dropout.threshold,
+                                    c.batch * c.dropout.num_heads + head)
+            apply_dropout_transposed(c.acc_S, c.thr_SdP, cfg.n_block_size, cfg.m_block_size, c.n_block, m_block, rng)
 
         warpgroup.wait_group(0)  # dP^T is ready
         for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
@@ -602,14 +600,13 @@ class FlashAttnBwdSm90(BackwardTransfers):
             dpsum = Float32(0.0) if const_expr(cfg.shared_stats) else c.sdPsum[c.tScS[0, j][1], stage]
             for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                 if const_expr(cfg.dropout):
-                    # dS = P * (Z * dP / (1 - p) - D), Z the keep mask; dV's P is Z * P (its
-                    # 1 / (1 - p) goes with dV at the end)
-                    rows = cute.size(acc_dP_mn, mode=[0])
-                    kept_scale = keep_or_zero(c.dropout.scale, keep_bits, r, j, rows)
-                    acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] * kept_scale - dpsum)
-                    acc_S_mn[r, j] = keep_or_zero(acc_S_mn[r, j], keep_bits, r, j, rows)
+                    acc_dP_mn[r, j] = dropout_dS(acc_S_mn[r, j], acc_dP_mn[r, j], dpsum, c.dropout.scale)
                 else:
                     acc_dP_mn[r, j] = acc_S_mn[r, j] * (acc_dP_mn[r, j] - dpsum)
+        if const_expr(cfg.dropout):
+            # dV's P is the kept P (rescaled by 1 / (1 - p) with dV at the end)
+            for i in cutlass.range_constexpr(cute.size(c.acc_S)):
+                c.acc_S[i] = cutlass.max(c.acc_S[i], Float32(0.0))
         if const_expr(cfg.softcap):
             c.acc_dP.store(c.acc_dP.load() * dtanh.load().to(Float32))
         if const_expr(cfg.split_head_dim):

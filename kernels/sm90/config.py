@@ -408,7 +408,7 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
     # Spills per MMA thread (2026-11-28 compile reports; none in the split_head_dim kernels):
     if alibi and causal and head_dim in (96, 128):  # 56 bytes
         return None
-    if (softcap or dropout) and head_dim == 128:  # 8-88 bytes; dropout 40-48 (perf/NOTES.md)
+    if (softcap or dropout) and head_dim == 128:  # 8-88 bytes; dropout's Philox draws 80
         return None
     if varlen and window and not alibi and head_dim == 128:
         return None  # spills 32 bytes per MMA thread (2026-11-28 compile report; with ALiBi it does not)
