@@ -65,6 +65,21 @@ def test_sm80_fwd_fp32_compiles_to_split_tf32_without_spills(head_dim, causal):
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
+@pytest.mark.parametrize("head_dim,causal", [(72, False), (128, False), (120, True)], ids=str)
+def test_sm80_fwd_fp32_sm90a_tiles_compile_without_spills(head_dim, causal, monkeypatch):
+    """On the H100 / H200 (the sm80 family compiled for sm_90a) fp32 d72-d128 take 128 x 32 tiles,
+    which spill when compiled for sm_80."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    tiles = FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal, arch="sm_90a")
+    assert (tiles["tile_m"], tiles["tile_n"]) == (128, 32)
+    assert FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal)["tile_m"] == 64
+    kernel = FlashAttnFwdSm80(Sm80FwdConfig(cutlass.Float32, head_dim, causal, **tiles))
+    args = [fake_bshd(cutlass.Float32, head_dim) for _ in range(4)] + [fake_rowstat(), cutlass.Float32(1.0), fake_stream()]
+    report = compile_report(kernel, args, arch="sm_90a")
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in report.ptx
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+
+
 def test_default_tiles_fit_every_head_dim():
     for dtype in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
         for head_dim in range(8, 257, 8):
