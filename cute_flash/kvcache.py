@@ -20,6 +20,7 @@ from . import dispatch
 from .api import _on, _uniform_scores, kernel_input, kernel_view
 from .errors import InvalidDimensionError
 from .launchers import decode_launcher
+from .rotary import check_rotary, rotate_new_tokens
 from .validate import (
     check_device, check_flag, check_kvcache, check_softmax_scale, kvcache_value_flags, raise_for_kvcache_values,
     reads_values,
@@ -107,18 +108,20 @@ def flash_attn_with_kvcache(
     cache_batch_idx: (batch,) int32 cache entry of each sequence (contiguous cache). causal is
     bottom-right aligned. num_splits: splits along the keys (0: chosen per call). Returns out, or
     (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) float32.
-    rotary_cos, rotary_sin, cache_leftpad, window_size other than (-1, -1), softcap and
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) rotate the new k (and q) before the
+    append (cute_flash/rotary.py). cache_leftpad, window_size other than (-1, -1), softcap and
     alibi_slopes are rejected with UnsupportedArgumentError.
     """
     problem, num_splits = check_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+        q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, window_size, softcap,
+        rotary_interleaved, alibi_slopes, num_splits)
     causal = check_flag("causal", causal)
+    rotary_dim = check_rotary(rotary_cos, rotary_sin, problem, causal)
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, t in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("block_table", block_table)):
+                    ("block_table", block_table), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
         if isinstance(t, torch.Tensor):
             tensors[name] = t
     device = check_device(tensors)
@@ -137,6 +140,8 @@ def flash_attn_with_kvcache(
         batch_idx = None
         if problem.page_size == 0:
             batch_idx = _identity(device, batch) if cache_batch_idx is None else cache_batch_idx.contiguous()
+        if rotary_dim:
+            q, k = rotate_new_tokens(q, k, rotary_cos, rotary_sin, lengths, causal, rotary_interleaved)
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
         launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, causal, problem.page_size)

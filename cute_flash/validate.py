@@ -391,13 +391,7 @@ def _require_int32_tensor(name: str, t, shape: tuple[int, ...], axes: str) -> No
         raise DimensionMismatchError(f"{name} must have shape {shape} {axes}, got {tuple(t.shape)}")
 
 
-def _check_unsupported_kvcache_options(rotary_cos, rotary_sin, cache_leftpad, window_size, softcap,
-                                       alibi_slopes) -> None:
-    if rotary_cos is not None or rotary_sin is not None:
-        raise UnsupportedArgumentError(
-            "rotary_cos / rotary_sin are not supported: flash_attn_with_kvcache applies no rotary embedding; "
-            "rotate q and k before the call and pass rotary_cos=None, rotary_sin=None"
-        )
+def _check_unsupported_kvcache_options(cache_leftpad, window_size, softcap, alibi_slopes) -> None:
     if cache_leftpad is not None:
         raise UnsupportedArgumentError(
             "cache_leftpad is not supported: every sequence's cache starts at position 0; pass cache_leftpad=None"
@@ -423,12 +417,12 @@ def _check_num_splits(num_splits) -> int:
     return int(num_splits)
 
 
-def check_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                  cache_leftpad, block_table, window_size, softcap, rotary_interleaved, alibi_slopes,
-                  num_splits) -> tuple[KVCacheProblem, int]:
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
+                  window_size, softcap, rotary_interleaved, alibi_slopes, num_splits) -> tuple[KVCacheProblem, int]:
     """Every rule of flash_attn_with_kvcache that needs no tensor's values (those are
-    `check_kvcache_values`); returns the problem and num_splits."""
-    _check_unsupported_kvcache_options(rotary_cos, rotary_sin, cache_leftpad, window_size, softcap, alibi_slopes)
+    `check_kvcache_values`) but the rotary tensors' (rotary.check_rotary, which needs `causal`);
+    returns the problem and num_splits."""
+    _check_unsupported_kvcache_options(cache_leftpad, window_size, softcap, alibi_slopes)
     check_flag("rotary_interleaved", rotary_interleaved)
     splits = _check_num_splits(num_splits)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

@@ -49,8 +49,6 @@ def call(q, kc, vc, **kw):
 
 
 @pytest.mark.parametrize("kw, fragment", [
-    (dict(rotary_cos=torch.ones(4, 32), rotary_sin=torch.ones(4, 32)), "rotary"),
-    (dict(rotary_cos=torch.ones(4, 32)), "rotary"),
     (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
     (dict(window_size=(16, 0)), "window_size"),
     (dict(softcap=30.0), "softcap"),
@@ -150,7 +148,7 @@ def _value_error(problem, **tensors):
 def _problem(paged=False, **kw):
     q, kc, vc, k, v = inputs(paged=paged)
     table = torch.zeros(2, 4, dtype=torch.int32) if paged else None
-    return check_kvcache(q, kc, vc, k, v, None, None, kw.get("cache_seqlens", torch.zeros(2, dtype=torch.int32)),
+    return check_kvcache(q, kc, vc, k, v, kw.get("cache_seqlens", torch.zeros(2, dtype=torch.int32)),
                          kw.get("cache_batch_idx"), None, table, (-1, -1), 0.0, True, None, 0)[0]
 
 
@@ -177,3 +175,31 @@ def test_value_rules():
     bad[0, 1] = 8  # sequence 0 reaches its second page only one key later
     assert _value_error(paged, cache_seqlens=lengths, block_table=bad) is None
     assert "block_table" in _value_error(paged, cache_seqlens=lengths + 1, block_table=bad)
+
+
+def test_rotary_arguments():
+    """rotary_cos / rotary_sin are honoured (cute_flash/rotary.py); what they cannot mean is refused
+    before anything is written."""
+    q, kc, vc, k, v = inputs()  # head dim 64, a cache of 64 keys
+    table = torch.ones(64, 16)
+    append = dict(k=k, v=v, cache_seqlens=3)
+    expect(ErrorCode.NULL_POINTER, TypeError, call, q, kc, vc, rotary_cos=table, **append)
+    msg = expect(ErrorCode.NULL_POINTER, TypeError, call, q, kc, vc, rotary_cos=table, rotary_sin=table)
+    assert "appended keys" in msg
+    expect(ErrorCode.UNSUPPORTED_DTYPE, TypeError, call, q, kc, vc, rotary_cos=table.int(), rotary_sin=table.int(),
+           **append)
+    expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc, vc, rotary_cos=table[0], rotary_sin=table[0], **append)
+    expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc, vc, rotary_cos=table, rotary_sin=table[:, :8],
+           **append)
+    wide = torch.ones(64, 40)  # rotary_dim 80 > head dim 64
+    expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc, vc, rotary_cos=wide, rotary_sin=wide, **append)
+    short = torch.ones(63, 16)  # positions up to 63 in a cache of 64
+    msg = expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q, kc, vc, rotary_cos=short, rotary_sin=short, **append)
+    assert "positions" in msg
+    # A causal query block longer than the append reaches past the cache's last position.
+    q3 = torch.randn(2, 3, 8, 64).to(torch.bfloat16)
+    expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q3, kc, vc, rotary_cos=table, rotary_sin=table, causal=True,
+           **append)
+    # Every rule passed: the call stops at the device check, nothing written.
+    expect(ErrorCode.CUDA_ERROR, RuntimeError, call, q, kc, vc, rotary_cos=table, rotary_sin=table, **append)
+    assert torch.all(kc == 0) and torch.all(vc == 0)

@@ -194,3 +194,34 @@ def test_cuda_graph_replays_new_lengths():
             ref = flash_attn_with_kvcache(q[b : b + 1], cache.k[b : b + 1, :n].contiguous(),
                                           cache.v[b : b + 1, :n].contiguous())
             assert torch.allclose(out[b], ref[0], atol=2e-2, rtol=0), f"replay with lengths {new}"
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_rotary_new_keys_and_queries(page_size, causal, interleaved):
+    """rotary_cos / rotary_sin: the appended keys land in the cache rotated at cache_seqlens[b] + i,
+    the queries attend rotated at the same positions when causal, else all at cache_seqlens[b] (the
+    rotation itself is checked against complex multiplication in tests/cpu/test_rotary.py)."""
+    from cute_flash.rotary import apply_rotary
+
+    batch, seqlen, (nheads, nheads_kv), hd, capacity = 3, 4, (8, 2), 128, 600
+    lengths = _lengths(batch, seqlen, capacity)
+    cache = Cache(batch, nheads_kv, hd, capacity, torch.bfloat16, page_size, lengths, seqlen)
+    angles = torch.arange(capacity, device="cuda", dtype=torch.float64)[:, None] / 10000 ** torch.linspace(
+        0, 1, 32, device="cuda", dtype=torch.float64)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)  # rotary_dim 64 of 128
+    q, k, v = (randn(batch, seqlen, h, hd, dtype=torch.bfloat16) for h in (nheads, nheads_kv, nheads_kv))
+    out, lse = flash_attn_with_kvcache(q, cache.k, cache.v, k, v, rotary_cos=cos, rotary_sin=sin,
+                                       cache_seqlens=lengths.cuda(), block_table=cache.block_table, causal=causal,
+                                       rotary_interleaved=interleaved, return_softmax_lse=True)
+    for b in range(batch):
+        n = int(lengths[b])
+        keys_at = torch.arange(n, n + seqlen, device="cuda")[None]
+        queries_at = keys_at if causal else torch.full_like(keys_at, n)
+        k_rot = apply_rotary(k[b : b + 1], cos, sin, keys_at, interleaved)
+        q_rot = apply_rotary(q[b : b + 1], cos, sin, queries_at, interleaved)
+        entries, rows = cache.slots(b, n, seqlen)
+        assert torch.equal(cache.k[entries, rows], k_rot[0]) and torch.equal(cache.v[entries, rows], v[b])
+        keys, values = cache.sequence(cache.k, b, n + seqlen), cache.sequence(cache.v, b, n + seqlen)
+        assert_forward_accurate(out[b : b + 1], lse[b : b + 1], q_rot, keys, values, causal)
