@@ -161,9 +161,8 @@ class FlashAttnFwdSm80:
     def default_tiles(dtype, head_dim, causal, dropout: bool = False, arch: str = "sm_80") -> dict:
         if dropout:
             # The Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
-            # the key tile; a quarter at d <= 32, where ptxas aims at 168 registers (the causal
-            # kernel spilled 40 bytes with half).
-            # (the sm_80 tiles on every target)
+            # the key tile of the sm_80 tiles (on every target); a quarter at d <= 32, where ptxas
+            # aims at 168 registers (the causal kernel spilled 40 bytes with half).
             tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
             return dict(tiles, tile_n=tiles["tile_n"] // (4 if head_dim <= 32 else 2))
         if dtype is cutlass.Float32:

@@ -30,6 +30,9 @@ Score modifications (`call_with_mods`, as in the forward): a sliding window walk
 blocks the keys see and masks its edge blocks; ALiBi adds -slope * |i - j| to S^T; with softcap
 the scores are t = tanh(s * scale / softcap), P's exponent runs at scale softcap, and dS^T picks
 up dt/ds's factor 1 - t^2 (the softmax scale itself is applied to dK and dQ as without softcap).
+With dropout (config.dropout) the forward's Philox keep mask is drawn again on S^T while the dP
+GEMM runs (philox.apply_dropout_transposed), dS^T = P^T * (Z dP^T / (1 - p) - D) and dV takes the
+kept P^T, its 1 / (1 - p) applied at the end.
 
 Packed variable-length batches (`call_varlen`, config.varlen): each CTA reads its sequence's
 bounds from cu_seqlens, views the packed tensors from the sequence's first rows, zeroes K's rows
