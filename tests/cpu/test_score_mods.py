@@ -129,15 +129,32 @@ def test_window_block_ranges_match_brute_force(sq, sk, tile_m, tile_n):
                         assert all(i + sk - sq - left <= j <= i + sk - sq + right
                                    for i in range(m * tile_m, (m + 1) * tile_m)
                                    for j in range(n * tile_n, (n + 1) * tile_n)), (window, m, n)
-        # the deterministic dQ order: the key blocks visiting query block m are consecutive from
-        # the forward's first key block
+        # the deterministic dQ order (bwd_transfers.dq_writer, descending with a window): the key
+        # blocks visiting query block m are exactly [n_min, n_max), so turn n_max - 1 - n runs
+        # through 0, 1, ... and each key block waits only for a higher one
         for m in range(num_m):
             visitors = sorted(n for (mm, n) in pairs_bwd if mm == m)
             if visitors:
-                n_min, _ = ranges.n_block_min_max_window(m, sq, sk, left, right)
-                assert visitors == list(range(n_min, n_min + len(visitors))), (window, m, visitors)
+                n_min, n_max = ranges.n_block_min_max_window(m, sq, sk, left, right)
+                assert visitors == list(range(n_min, n_max)), (window, m, visitors)
         assert {p for p in pairs_fwd if any(seen[i][j] for i in range(p[0] * tile_m, min((p[0] + 1) * tile_m, sq))
                                            for j in range(p[1] * tile_n, min((p[1] + 1) * tile_n, sk)))} <= pairs_bwd
+
+
+@pytest.mark.parametrize("tile_m, tile_n", [(64, 128), (128, 128), (64, 64)])
+def test_causal_deterministic_turns(tile_m, tile_n):
+    """The causal deterministic order (descending, Sm90BwdConfig.shortest_walk_first): the key
+    blocks whose walk (m_block_min_max) visits query block m are exactly [0, n_block_max(m)), so
+    the turns n_block_max - 1 - n are 0, 1, ... with no gap, and block n waits only for n + 1."""
+    ranges = BlockRanges(tile_m, tile_n, True)
+    n_range, m_range = BlockRanges.n_block_min_max.__wrapped__, BlockRanges.m_block_min_max.__wrapped__
+    for sq, sk in [(1, 1), (7, 300), (300, 7), (129, 257), (1000, 1000), (517, 2049)]:
+        num_m, num_n = -(-sq // tile_m), -(-sk // tile_n)
+        walks = [tuple(int(x) for x in m_range(ranges, n, sq, sk)) for n in range(num_n)]
+        for m in range(num_m):
+            _, n_max = (int(x) for x in n_range(ranges, m, sq, sk))
+            visitors = [n for n in range(num_n) if walks[n][0] <= m < walks[n][1]]
+            assert visitors == list(range(n_max)), (sq, sk, m, visitors, n_max)
 
 
 @pytest.mark.parametrize("sq, sk", [(1, 1), (4, 9), (9, 4), (16, 16)])
