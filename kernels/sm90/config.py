@@ -347,12 +347,13 @@ class Sm90BwdConfig:
 
     @property
     def split_head_dim(self) -> bool:
-        """Above head dim 128, dK and dV for 64 keys per warp group would need 2 * head_dim
-        accumulator registers per thread: the CTA takes one 64-key block, each MMA warp group
-        accumulates half of dK's and dV's columns for all of it, and the groups split the query
-        block's columns of S^T and dP^T. Each group then holds only part of P^T and dS^T, so both
-        go through shared memory to the dV and dK GEMMs."""
-        return self.head_dim > 128
+        """A CTA of 64 keys: each MMA warp group accumulates half of dK's and dV's head-dim
+        columns for all of them, and the groups split the query block's columns of S^T and dP^T.
+        Each group then holds only part of P^T and dS^T, so both go through shared memory to the
+        dV and dK GEMMs. Above head dim 128 this is the only shape that fits (64 keys per group
+        would need 2 * head_dim accumulator registers per thread); at 128 and below it serves the
+        problem classes whose two-times-64-key kernel spills (`backward_config`)."""
+        return self.n_block_size == 64
 
     @property
     def shortest_walk_first(self) -> bool:
@@ -405,20 +406,19 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
     """The Hopper backward for this problem class, or None where the sm80 backward serves it."""
     if head_dim not in BWD_HEAD_DIMS or dtype not in (cutlass.Float16, cutlass.BFloat16):
         return None
-    # Spills per MMA thread (2026-11-28 compile reports; none in the split_head_dim kernels):
-    if alibi and causal and head_dim in (96, 128):  # 56 bytes
-        return None
-    if (softcap or dropout) and head_dim == 128:  # 8-88 bytes; dropout's Philox draws 80
-        return None
-    if varlen and window and not alibi and head_dim == 128:
-        return None  # spills 32 bytes per MMA thread (2026-11-28 compile report; with ALiBi it does not)
-    # 128-row query blocks where they fit the 240 registers without spilling: hd 64 non-causal
-    # without a mask or bias (causal spills 20 bytes per thread there; docs/kernels/sm90-backward.md),
-    # nor dropout (its dS needs D apart from dP, where shared_stats folds it in).
-    m_block_size = 128 if head_dim == 64 and not (causal or window or alibi or softcap or dropout) else 64
+    # Classes whose 128-key kernel spills (bytes per MMA thread, 2026-11-28 compile reports) take
+    # the split-head-dim shape, 64 keys per CTA, which does not.
+    spills_at_128_keys = ((alibi and causal and head_dim in (96, 128))  # 56 bytes
+                          or ((softcap or dropout) and head_dim == 128)  # 8-88; dropout's Philox draws 80
+                          or (varlen and window and not alibi and head_dim == 128))  # 32
+    # 128-row query blocks where they fit the 240 registers without spilling: hd 64, causal or not,
+    # without a window, bias or cap (causal with the mask on every block: Sm90 bwd.one_block), nor
+    # dropout (its dS needs D apart from dP, where shared_stats folds it in).
+    m_block_size = 128 if head_dim == 64 and not (window or alibi or softcap or dropout) else 64
     # Above hd 128 (split_head_dim) one 64-key block per CTA; at hd 256 one Q / dO buffer each
     # (two would need 272 KB of smem with dQ's 64 KB staging buffer).
-    tiles = dict(n_block_size=64, q_stages=1 if head_dim > 192 else 2) if head_dim > 128 else {}
+    tiles = (dict(n_block_size=64, q_stages=1 if head_dim > 192 else 2) if head_dim > 128
+             else dict(n_block_size=64) if spills_at_128_keys else {})
     config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, varlen=varlen,
                            dropout=dropout, m_block_size=m_block_size, **tiles)
     assert backward_smem_bytes(config) <= SMEM_BYTES

@@ -50,7 +50,7 @@ def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, c
     assert ("ld.acquire" in ptx) == deterministic  # the ordered dQ semaphore
     # 128-row blocks take 32 LSE values per query block by shuffle (4 other shuffles in every variant).
     assert (ptx.count("shfl.sync.idx") >= 32) == cfg.shared_stats
-    assert cfg.shared_stats == (head_dim == 64 and not causal)  # where 128-row blocks fit the registers
+    assert cfg.shared_stats == (head_dim == 64)  # where 128-row blocks fit the registers
     if cfg.split_head_dim:  # the groups split S^T's query columns and dV's / dK's head-dim columns
         assert f".m64n{cfg.m_block_size // 2}k16." in ptx and f".m64n{head_dim // 2}k16." in ptx
     assert cfg.split_head_dim == (head_dim > 128)
@@ -124,9 +124,19 @@ def test_window_and_alibi_variants_compile_without_spills(dtype, head_dim, causa
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 
-@pytest.mark.parametrize("head_dim,causal,mods", [(96, True, (False, False, True)), (128, True, (False, False, True)),
-                                                   (128, False, (False, True, False))], ids=str)
-def test_causal_alibi_and_softcap_above_their_head_dims_stay_on_the_sm80_backward(head_dim, causal, mods):
-    """In the Hopper backward causal ALiBi above hd 64 and softcap above hd 96 spill (56 and 8-88
-    bytes per MMA thread at hd 128)."""
-    assert backward_plan(cutlass.BFloat16, head_dim, causal, mods=mods).main.kernel_cls is not FlashAttnBwdSm90
+# The classes whose two-times-64-key kernel spills (causal ALiBi at hd 96 / 128: 56 bytes per MMA
+# thread; softcap at hd 128: 8-88) take one 64-key block per CTA, split by head-dim columns.
+SPLIT_AT_HD128_AND_BELOW = [(96, True, False, (False, False, True)), (128, True, False, (False, False, True)),
+                            (128, False, False, (False, True, False)), (128, False, True, (True, True, False))]
+
+
+@pytest.mark.parametrize("head_dim,causal,deterministic,mods", SPLIT_AT_HD128_AND_BELOW, ids=str)
+def test_spilling_classes_take_the_split_shape_without_spills(head_dim, causal, deterministic, mods, capsys):
+    plan = backward_plan(cutlass.BFloat16, head_dim, causal, deterministic, mods=mods)
+    cfg = plan.main.config
+    assert plan.main.kernel_cls is FlashAttnBwdSm90 and cfg.n_block_size == 64 and cfg.split_head_dim
+    assert backward_plan(cutlass.BFloat16, head_dim, causal, deterministic).main.config.n_block_size == 128
+    with capsys.disabled():
+        report = compile_report(*plan.main.build(), arch=ARCH)
+    assert f".m64n{cfg.m_block_size // 2}k16." in report.ptx and f".m64n{head_dim // 2}k16." in report.ptx
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"

@@ -111,10 +111,12 @@ def test_hopper_varlen_backward_compiles_without_spills(variant):
     assert plans.pre.family == "sm80" and plans.pre.entry == "call_varlen" and not plans.gqa
 
 
-def test_hopper_varlen_backward_leaves_a_plain_window_at_hd128_to_sm80():
-    # it spills 32 bytes per MMA thread there (kernels/sm90/config.py: backward_config)
-    assert dispatch.plan_backward((9, 0), torch.bfloat16, 128, False, False, False, family="sm90", mods=(True, False, False),
-                                  varlen=True).main.family == "sm80"
+def test_hopper_varlen_backward_takes_a_plain_window_at_hd128_on_64_keys_per_cta():
+    # 128 keys per CTA spill 32 bytes per MMA thread there (kernels/sm90/config.py: backward_config)
+    plans = dispatch.plan_backward((9, 0), torch.bfloat16, 128, False, False, False, family="sm90",
+                                   mods=(True, False, False), varlen=True)
+    assert plans.main.config.n_block_size == 64 and plans.main.config.split_head_dim
+    _check(plans.main, "wgmma.mma_async", family="sm90")
 
 
 def test_dense_plans_keep_their_entries():

@@ -128,13 +128,14 @@ VARIANTS = [
     ("bwd", torch.float16, 256, False, False, False, dispatch.NO_MODS, (8, 0)),
     ("bwd", torch.float32, 64, True, False, False, dispatch.NO_MODS, (8, 0)),
     ("fwd", torch.bfloat16, 256, True, False, False, (False, True, True), (8, 0)),
-    # the H100 runs them compiled for sm_90a, where d128 and d256 keep the fp32 P in registers
-    ("bwd", torch.bfloat16, 128, False, False, True, dispatch.NO_MODS, (9, 0)),
-    ("bwd", torch.float16, 256, True, False, False, dispatch.NO_MODS, (9, 0)),
+    # the H100 runs fp32 and the head dims the Hopper backward does not take on them, for sm_90a
+    ("bwd", torch.float32, 128, False, False, True, dispatch.NO_MODS, (9, 0)),
     ("bwd", torch.bfloat16, 72, False, False, True, dispatch.NO_MODS, (9, 0)),
     # the Hopper backward: every head dim it takes dropout at, modifications, deterministic
     ("bwd", torch.float16, 64, False, False, False, (True, True, True), (9, 0)),
     ("bwd", torch.bfloat16, 96, True, True, False, dispatch.NO_MODS, (9, 0)),
+    ("bwd", torch.bfloat16, 128, True, False, True, dispatch.NO_MODS, (9, 0)),
+    ("bwd", torch.float16, 128, False, True, False, (True, True, False), (9, 0)),
     ("bwd", torch.float16, 192, True, False, False, dispatch.NO_MODS, (9, 0)),
     ("bwd", torch.bfloat16, 256, False, True, False, (False, True, True), (9, 0)),
     # the Hopper forward: three- and two-group tiles, a window with dropout; hd 192 stays sm80
@@ -165,7 +166,7 @@ def test_dropout_kernels_compile_without_spills(variant):
     hopper_forward = (pass_name == "fwd" and capability == (9, 0) and dtype != torch.float32 and head_dim <= 128
                       and not mods[2])
     hopper_backward = (pass_name == "bwd" and capability == (9, 0) and dtype != torch.float32
-                       and head_dim in (64, 96, 192, 256))
+                       and head_dim in (64, 96, 128, 192, 256))
     assert plan.family == ("sm90" if hopper_forward or hopper_backward else "sm80") and plan.entry == "call_with_mods"
     assert plan.config.dropout
     kernel, args = plan.build()
@@ -178,11 +179,12 @@ def test_dropout_kernels_compile_without_spills(variant):
 
 def test_hopper_backward_dropout_dispatch():
     """On sm_90 a dropout backward runs the Hopper kernel (its call_with_mods takes the dropout
-    values after the four score modifications) except at head dim 128, where the Philox draws
-    spill; fp32 and the other head dims keep the sm80 kernel."""
+    values after the four score modifications; at head dim 128 on 64 keys per CTA, where 128
+    spill); fp32 and the other head dims keep the sm80 kernel."""
     for head_dim in (64, 96, 128, 192, 256, 72):
         plan = dispatch.plan_backward((9, 0), torch.bfloat16, head_dim, False, dropout=True).main
-        hopper = head_dim in (64, 96, 192, 256)
+        hopper = head_dim in (64, 96, 128, 192, 256)
+        assert not hopper or plan.config.n_block_size == (64 if head_dim >= 128 else 128)
         assert plan.family == ("sm90" if hopper else "sm80") and plan.entry == "call_with_mods"
         assert plan.config.dropout and len(plan.fake_args) == 12 + 4 + 4  # the main arguments, mods, dropout
     assert dispatch.plan_backward((9, 0), torch.float32, 64, False, dropout=True).main.family == "sm80"

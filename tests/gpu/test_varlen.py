@@ -73,16 +73,6 @@ def check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods):
                                  one(q, rows_q), one(k, rows_k), one(v, rows_k), causal, **seq_mods)
 
 
-def varlen_backward_family(head_dim, dtype, causal, softcap=0.0, alibi_slopes=None, window_size=(-1, -1)):
-    """Where dispatch sends a packed backward: the Hopper backward's rules (kernels/sm90/config.py:
-    backward_config), less a window without ALiBi at hd 128, which spills there with a packed batch."""
-    window = window_size != (-1, -1)
-    if (softcap and head_dim == 128) or (alibi_slopes is not None and causal and head_dim in (96, 128)) or \
-            (window and alibi_slopes is None and head_dim == 128):
-        return "sm80"
-    return expected_backward_family(head_dim, dtype)
-
-
 def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **mods):
     """forward_varlen, then backward_varlen into NaN-poisoned gradients (rows before the first
     sequence poisoned with 7: they must keep it), each on the family dispatch promises."""
@@ -93,7 +83,7 @@ def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **
         grad = torch.full_like(t, float("nan"))
         grad[:LEAD] = 7.0
         grads.append(grad)
-    with served_by(varlen_backward_family(q.shape[-1], q.dtype, causal, **mods)):
+    with served_by(expected_backward_family(q.shape[-1], q.dtype)):
         varlen.backward_varlen(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dq=grads[0], dk=grads[1],
                                dv=grads[2], causal=causal, deterministic=deterministic, **mods)
     for grad in grads:
@@ -197,7 +187,7 @@ def test_flash_attn_varlen_func_autograd_and_compile():
 
     with served_by(expected_forward_family(q.shape[-1], q.dtype)):
         out, lse, probs = step(*leaves)
-    with served_by(varlen_backward_family(q.shape[-1], q.dtype, True)):
+    with served_by(expected_backward_family(q.shape[-1], q.dtype)):
         out.backward(dout)
     assert probs is None
     grads = [t.grad for t in leaves]

@@ -56,21 +56,15 @@ def kernel_problem(sq, sk, causal, mods):
     return kernel.causal, kernel.flags
 
 
-def families(head_dim, dtype, sq, sk, causal, mods):
-    """The kernel families of the forward and the backward: with a modification the forward's own
-    (the Hopper forward serves them) and the backward's own where it has the modification (the
-    Hopper backward: window, ALiBi but not causal ALiBi at head dims 96 and 128, softcap but not
-    at 128), else sm80; without one the plain kernels' own."""
-    kernel_causal, (window, softcap, alibi) = kernel_problem(sq, sk, causal, mods)
-    backward_family = expected_backward_family(head_dim, dtype)
-    if (softcap and head_dim == 128) or (alibi and kernel_causal and head_dim in (96, 128)):
-        backward_family = "sm80"
-    return expected_forward_family(head_dim, dtype), backward_family
+def families(head_dim, dtype):
+    """The kernel families of the forward and the backward: each plain kernel's own (the Hopper
+    kernels serve every modification at the head dims they take)."""
+    return expected_forward_family(head_dim, dtype), expected_backward_family(head_dim, dtype)
 
 
 def check(q, k, v, dout, causal, deterministic=False, **mods):
     """Forward and backward into NaN-poisoned outputs, on the expected kernels, against the reference."""
-    forward_family, backward_family = families(q.shape[-1], q.dtype, q.shape[1], k.shape[1], causal, mods)
+    forward_family, backward_family = families(q.shape[-1], q.dtype)
     out = torch.full_like(q, float("nan"))
     lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), device=q.device)
     with served_by(forward_family):
@@ -183,7 +177,7 @@ def test_flash_attn_func_autograd():
         out, lse, _ = cute_flash.flash_attn_func(*leaves, 0.0, None, True, (50, 10), 30.0, mods["alibi_slopes"],
                                                  False, True)
         out.backward(dout)
-    assert families_of(keys) == set(families(128, q.dtype, 333, 444, True, mods)), keys
+    assert families_of(keys) == set(families(128, q.dtype)), keys
     assert_forward_accurate(out.detach(), lse, q, k, v, True, **mods)
     assert_backward_accurate([t.grad for t in leaves], dout, q, k, v, True, **mods)
 
