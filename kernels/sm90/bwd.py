@@ -6,30 +6,29 @@ query blocks of every query head that reads this KV head (GQA sums in place, no 
 
 * Warp group 0 moves data (bwd_transfers.py). Warp 0 loads K and V once, then Q with its LSE
   (log2) and dO with its D = rowsum(dO * O) per query block, by TMA into `q_stages`-deep rings
-  guarded by mbarriers (`cutlass.pipeline.PipelineTmaAsync`). Warp 1 adds each query block's dQ from shared memory into
-  the fp32 dQ sums in global memory with one bulk reduce (`cp.reduce.async.bulk`); with
+  (`cutlass.pipeline.PipelineTmaAsync`). Warp 1 adds each query block's dQ from smem into the
+  fp32 dQ sums in global memory with one bulk reduce (`cp.reduce.async.bulk`); with
   `deterministic` it first waits for the key blocks that add before it (a semaphore per query block).
 * Warp groups 1 and 2 compute; each owns 64 of the keys. Per query block, in this order:
       S^T  = K Q^T               wgmma, both operands in smem (keys are the rows: "transposed")
       dP^T = V dO^T              wgmma (with 128-row query blocks accumulating onto -D)
-      P^T  = exp2(S^T * scale * log2(e) - LSE)       causal mask on diagonal blocks only
+      P^T  = exp2(S^T * scale * log2(e) - LSE)       causal mask on diagonal blocks (64 rows)
       dS^T = P^T * (dP^T - D)
       dV  += P^T dO              wgmma, P^T straight from registers
       dQ   = dS K                wgmma, dS from smem (both groups' keys), handed to warp 1
       dK  += dS^T Q              wgmma, dS^T straight from registers, while dQ is handed over
   Computing S and dP transposed makes P^T and dS^T land in the register layout of the dV and dK
   GEMMs' A operand, so neither goes through shared memory for them.
-* Head dims 192 and 256 (config.split_head_dim): a CTA owns 64 keys; the groups split S^T's and
-  dP^T's query columns and dV's and dK's head-dim columns, so P^T and dS^T reach the dV and dK
-  GEMMs through smem, after one barrier. With one Q / dO buffer (hd 256) dV, dK and dQ run in
+* Head dims 192, 256 and classes that spill with 128 keys (config.split_head_dim): a CTA owns 64 keys; the groups split S^T's and dP^T's query columns and dV's and dK's head-dim
+  columns, so P^T and dS^T reach the dV and dK GEMMs through smem, after one barrier. With one Q / dO buffer (hd 256) dV, dK and dQ run in
   that order and each buffer is released once its last GEMM is done.
 * Epilogue: dK (times the softmax scale) and dV are converted, staged in K's and V's smem and
   stored by TMA, which clips rows past seqlen_k.
 
 Score modifications (`call_with_mods`, as in the forward): a sliding window walks only the query
 blocks the keys see and masks its edge blocks; ALiBi adds -slope * |i - j| to S^T; with softcap
-the scores are t = tanh(s * scale / softcap), P's exponent runs at scale softcap, and dS^T picks
-up dt/ds's factor 1 - t^2 (the softmax scale itself is applied to dK and dQ as without softcap).
+scores are t = tanh(s * scale / softcap), P's exponent runs at scale softcap, and dS^T picks
+up dt/ds's factor 1 - t^2 (the softmax scale is applied to dK and dQ as without softcap).
 With dropout (config.dropout) the forward's Philox keep mask is drawn again on S^T while the dP
 GEMM runs (philox.apply_dropout_transposed), dS^T = P^T * (Z dP^T / (1 - p) - D) and dV takes the
 kept P^T, its 1 / (1 - p) applied at the end.
@@ -153,11 +152,11 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
 
 
 class FlashAttnBwdSm90(BackwardTransfers):
-    """Hopper backward for one configuration (config.py: Sm90BwdConfig). See the module docstring."""
+    """Hopper backward for one configuration (config.py: Sm90BwdConfig); see the module docstring."""
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config
-        # Block ranges of this tiling (compile-time sizes): the query walk's and the dQ turns'.
+        # Block ranges (compile-time sizes) of the query walk and the dQ turns.
         self.ranges = BlockRanges(config.m_block_size, config.n_block_size, config.causal)
 
     def smem_bytes(self, **_) -> int:

@@ -208,7 +208,6 @@ def test_rotary_new_keys_and_queries(page_size, causal, interleaved):
     batch, seqlen, (nheads, nheads_kv), hd, capacity = 3, 4, (8, 2), 128, 600
     lengths = _lengths(batch, seqlen, capacity)
     cache = Cache(batch, nheads_kv, hd, capacity, torch.bfloat16, page_size, lengths, seqlen)
-    # a table for every position the (page-rounded) cache can hold
     angles = torch.arange(2 * capacity, device="cuda", dtype=torch.float64)[:, None] / 10000 ** torch.linspace(
         0, 1, 32, device="cuda", dtype=torch.float64)
     cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)  # rotary_dim 64 of 128
