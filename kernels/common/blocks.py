@@ -23,6 +23,9 @@ Causal attention is bottom-right aligned: query i sees key j iff j <= i + seqlen
         Backward mirror: query blocks m < this value cross the diagonal of n_block and need the
         causal mask; blocks from it on see the whole key block.
 
+    turn = ranges.dq_turn_descending(n_block, m_block, seqlen_q, seqlen_k, window=None)
+        Deterministic backward, causal or windowed: n_block's turn to add m_block's dQ (0 first).
+
     head_kv = kv_head(head, num_heads, num_heads_kv)
         The K/V head that query head `head` reads (GQA / MQA: consecutive query heads share one).
 
@@ -42,7 +45,7 @@ Python ints (the CPU tests check them against a brute-force mask):
 
     m_block_min, m_block_max = ranges.m_block_min_max_window(n_block, seqlen_q, seqlen_k, left, right)
         Backward mirror. A query block m is visited by exactly the key blocks
-        n_block_min_max_window(m)[0] <= n < ... (the deterministic dQ order counts from there).
+        [n_block_min, n_block_max) of n_block_min_max_window(m) (the deterministic dQ order's turns).
 
     m_block_right_mask, m_block_left_mask = ranges.m_block_window_masks(n_block, seqlen_q, seqlen_k, left, right)
         Backward mirror: query blocks m < m_block_right_mask or m >= m_block_left_mask need the mask.
@@ -108,6 +111,16 @@ class BlockRanges:
         m_idx_all_see = (n_block + 1) * self.tile_n - 1 + seqlen_q - seqlen_k
         return cutlass.max(m_block_min, cute.ceil_div(cutlass.max(m_idx_all_see, 0), self.tile_m))
 
+    def dq_turn_descending(self, n_block, m_block, seqlen_q, seqlen_k, window=None):
+        """The deterministic backward's dQ order with a causal mask or a window: the key blocks
+        that add query block m_block's dQ are exactly [n_block_min, n_block_max) of it
+        (tests/cpu/test_score_mods.py), and they take turns from the last, whose walk reaches
+        m_block first, so the turns run 0, 1, ... without a gap."""
+        if window is not None:
+            _, n_block_max = self.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
+        else:
+            _, n_block_max = self.n_block_min_max(m_block, seqlen_q, seqlen_k)
+        return n_block_max - 1 - n_block
 
     # ---- sliding windows -------------------------------------------------------------------
     def n_block_min_max_window(self, m_block, seqlen_q, seqlen_k, left, right):

@@ -292,6 +292,9 @@ class FlashAttnBwdSm80:
         registers and dQ_i goes to the workspace; dK_j and dV_j are written at the end."""
         tidx, _, _ = cute.arch.thread_idx()
         n_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.cfg.shortest_walk_first):
+            # a CTA then waits only for CTAs of its query blocks that started before it
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block
         key_block = partial(
             self._key_block, mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
             scale_log2, sQ_layout, sdO_layout, sKV_layout, sPdS_layout, gmem_tiled_copy, gmem_store, tiled_mma_sdp,
@@ -558,12 +561,11 @@ class FlashAttnBwdSm80:
 
     @cute.jit
     def dq_turn(self, cta, m_block: Int32):
-        """This key block's turn in query block m_block's deterministic dQ order: the key blocks
-        that see m_block are consecutive, from 0 (or, with a window, from the first block inside it)."""
+        """This key block's turn in query block m_block's deterministic dQ order: ascending
+        without masks, descending with causal or window ones (Sm80BwdConfig.shortest_walk_first)."""
         turn = cta.n_block
-        if cutlass.const_expr(self.window and self.deterministic):
-            n_block_min, _ = cta.ranges.n_block_min_max_window(m_block, cta.seqlen_q, cta.seqlen_k, *cta.window)
-            turn = cta.n_block - n_block_min
+        if cutlass.const_expr(self.cfg.shortest_walk_first):
+            turn = cta.ranges.dq_turn_descending(cta.n_block, m_block, cta.seqlen_q, cta.seqlen_k, cta.window)
         return turn
 
     @cute.jit

@@ -72,6 +72,12 @@ class Sm80BwdConfig:
     def has_mods(self) -> bool:
         return self.window or self.softcap or self.alibi or self.dropout
 
+    @property
+    def shortest_walk_first(self) -> bool:
+        """Deterministic with causal or window masks: dQ added in descending key-block order, the
+        grid run from the last key block (as kernels/sm90/config.py: Sm90BwdConfig's)."""
+        return self.deterministic and (self.causal or self.window)
+
 
 # The backward main kernel's tile rules (kernels/sm80/bwd.py: FlashAttnBwdSm80), pure host code
 # that dispatch turns into an Sm80BwdConfig. The H100 runs that kernel too, compiled for sm_90a.

@@ -89,11 +89,7 @@ class BackwardTransfers:
                 lock = mdQsemaphore.iterator + cute.crd2idx((batch, head, m_block), mdQsemaphore.layout)
                 turn = n_block
                 if const_expr(cfg.shortest_walk_first):
-                    if const_expr(window is not None):
-                        _, n_block_max = self.ranges.n_block_min_max_window(m_block, seqlen_q, seqlen_k, *window)
-                    else:
-                        _, n_block_max = self.ranges.n_block_min_max(m_block, seqlen_q, seqlen_k)
-                    turn = n_block_max - 1 - n_block
+                    turn = self.ranges.dq_turn_descending(n_block, m_block, seqlen_q, seqlen_k, window)
                 if lane == 0:
                     while cute.arch.load(lock, Int32, sem="acquire", scope="gpu") != turn:
                         pass

@@ -1,9 +1,9 @@
 """The kernels with sliding windows, softcap and ALiBi compile (no GPU needed) without spills,
 through the plans dispatch makes for them: the sm80 kernels' `call_with_mods` entry point on every
-GPU, but for the forward of fp16 / bf16 at the Hopper forward's head dims on sm_90, which the
-Hopper forward's `call_with_mods` serves (its backward stays sm80). That the plain kernels' PTX is
-unchanged by these switches is shown with scripts/ptx-hashes.py (docs/kernels/sm80-forward.md,
-docs/kernels/sm90-forward.md)."""
+GPU, but for fp16 / bf16 at the Hopper kernels' head dims on sm_90, which the Hopper forward's
+`call_with_mods` serves here (the Hopper backward's: test_compile_sm90_bwd.py). That the plain
+kernels' PTX is unchanged by these switches is shown with scripts/ptx-hashes.py
+(docs/kernels/sm80-forward.md, docs/kernels/sm90-forward.md)."""
 
 import re
 
@@ -22,8 +22,9 @@ VARIANTS = [
     ("fwd", (False, False, True), torch.float16, 256, True, False, False, (8, 0)),
     # d128 on sm_80 reads P back from smem: softcap's factor waits in dS's tile
     ("bwd", (True, True, True), torch.bfloat16, 128, False, False, False, (8, 0)),
-    # on sm_90a the fp32 P stays in registers: the factor is folded into it
-    ("bwd", (True, True, True), torch.bfloat16, 128, False, True, True, (9, 0)),
+    # on sm_90a (head dims the Hopper backward does not take) the fp32 P stays in registers: the
+    # factor is folded into it
+    ("bwd", (True, True, True), torch.bfloat16, 120, False, True, True, (9, 0)),
     ("bwd", (True, False, False), torch.float16, 64, False, True, False, (8, 0)),
     ("bwd", (False, False, True), torch.bfloat16, 72, True, False, True, (9, 0)),
 ]
@@ -155,8 +156,7 @@ def test_modified_calls_on_hopper_plan_the_hopper_kernels_that_have_them():
                         if hopper and mods[0]:
                             assert not plan.config.splits_tail
                     backward = dispatch.plan_backward((9, 0), dtype, head_dim, False, mods=mods)
-                    hopper_backward = (head_dim in BWD_HEAD_DIMS and dtype != torch.float32
-                                       and not (mods[1] and head_dim == 128))
+                    hopper_backward = head_dim in BWD_HEAD_DIMS and dtype != torch.float32
                     assert backward.main.family == ("sm90" if hopper_backward else "sm80")
                 # CUTE_FLASH_KERNEL_ARCH=sm80's family: sm80 forward too
                 forced = dispatch.plan_forward((9, 0), dtype, head_dim, False, "long", num_sms=132, family="sm80",

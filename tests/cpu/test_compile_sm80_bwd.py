@@ -38,6 +38,8 @@ MAIN_VARIANTS = [
     (FP16, 192, True, False, False),
     (BF16, 256, False, True, False),
     (BF16, 40, True, False, True),
+    (BF16, 128, True, True, False),  # causal deterministic: descending dQ turns
+    (FP16, 64, True, True, True),
 ]
 
 
@@ -79,6 +81,8 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
     assert "red." in ptx and ".add.f32" in ptx  # dQ accumulation
     if deterministic:
         assert "ld.acquire" in ptx  # the ordered dQ semaphore
+    # causal deterministic: the grid runs from the last key block (Sm80BwdConfig.shortest_walk_first)
+    assert ("%nctaid.x" in ptx) == (deterministic and causal)
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 

@@ -137,6 +137,8 @@ def test_window_block_ranges_match_brute_force(sq, sk, tile_m, tile_n):
             if visitors:
                 n_min, n_max = ranges.n_block_min_max_window(m, sq, sk, left, right)
                 assert visitors == list(range(n_min, n_max)), (window, m, visitors)
+                turns = [ranges.dq_turn_descending(n, m, sq, sk, (left, right)) for n in reversed(visitors)]
+                assert turns == list(range(len(visitors))), (window, m, turns)
         assert {p for p in pairs_fwd if any(seen[i][j] for i in range(p[0] * tile_m, min((p[0] + 1) * tile_m, sq))
                                            for j in range(p[1] * tile_n, min((p[1] + 1) * tile_n, sk)))} <= pairs_bwd
 

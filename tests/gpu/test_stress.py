@@ -119,12 +119,17 @@ def test_backward_repeats_bit_for_bit(batch, seqlen, nheads, nheads_kv, head_dim
 @pytest.mark.parametrize("seqlens, causal, window", [((33000, 33000), True, (-1, -1)),
                                                      ((20000, 33000), True, (-1, -1)),
                                                      ((33000, 33000), False, (1000, 1000))], ids=str)
-def test_deterministic_order_with_more_key_blocks_than_resident_ctas(seqlens, causal, window):
+@pytest.mark.parametrize("family", ["native", "sm80"])
+def test_deterministic_order_with_more_key_blocks_than_resident_ctas(monkeypatch, family, seqlens, causal, window):
     """With causal or window masks the deterministic backward's key blocks add in descending order,
     each waiting for the next one's add: 258 key blocks of one KV head cannot all be resident at
     once, so this hangs unless the grid starts every wait's predecessor first. The gradients equal
     the default mode's (dK, dV bit for bit, dQ up to the order of its fp32 sums) and repeat bit
-    for bit."""
+    for bit. Both kernel families (the sm80 one as the A100 runs it)."""
+    if family == "sm80":
+        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
     sq, sk = seqlens
     q, dout = (randn(1, sq, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (randn(1, sk, 1, 64, dtype=torch.bfloat16) for _ in range(2))
