@@ -129,9 +129,8 @@ def test_window_block_ranges_match_brute_force(sq, sk, tile_m, tile_n):
                         assert all(i + sk - sq - left <= j <= i + sk - sq + right
                                    for i in range(m * tile_m, (m + 1) * tile_m)
                                    for j in range(n * tile_n, (n + 1) * tile_n)), (window, m, n)
-        # the deterministic dQ order (bwd_transfers.dq_writer, descending with a window): the key
-        # blocks visiting query block m are exactly [n_min, n_max), so turn n_max - 1 - n runs
-        # through 0, 1, ... and each key block waits only for a higher one
+        # the deterministic dQ order (dq_turn_descending): the key blocks visiting query block m
+        # are exactly [n_min, n_max), so their turns run 0, 1, ... from the highest
         for m in range(num_m):
             visitors = sorted(n for (mm, n) in pairs_bwd if mm == m)
             if visitors:

@@ -123,9 +123,11 @@ def test_backward_repeats_bit_for_bit(batch, seqlen, nheads, nheads_kv, head_dim
 def test_deterministic_order_with_more_key_blocks_than_resident_ctas(monkeypatch, family, seqlens, causal, window):
     """With causal or window masks the deterministic backward's key blocks add in descending order,
     each waiting for the next one's add: 258 key blocks of one KV head cannot all be resident at
-    once, so this hangs unless the grid starts every wait's predecessor first. The gradients equal
-    the default mode's (dK, dV bit for bit, dQ up to the order of its fp32 sums) and repeat bit
-    for bit. Both kernel families (the sm80 one as the A100 runs it)."""
+    once, so this hangs unless the grid starts every wait's predecessor first. The gradients
+    repeat bit for bit and equal the default mode's: on the Hopper kernel dK, dV bit for bit and dQ
+    up to the order of its fp32 sums; on the sm80 kernel (as the A100 runs it) up to 1/64 of the
+    largest value, since its deterministic variant forms dS from the 16-bit P where the default
+    keeps the fp32 P (a key block's dQ share added twice or not at all is larger)."""
     if family == "sm80":
         monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
     else:
@@ -145,7 +147,12 @@ def test_deterministic_order_with_more_key_blocks_than_resident_ctas(monkeypatch
         ordered = backward(True)
     default, again = backward(False), backward(True)
     assert all(torch.equal(a, b) for a, b in zip(ordered, again)), "deterministic runs differ"
-    assert torch.equal(ordered[1], default[1]) and torch.equal(ordered[2], default[2])
-    dq, dq_default = ordered[0].float(), default[0].float()
-    allowed = torch.finfo(torch.bfloat16).eps * (dq_default.abs() + dq_default.abs().max() / 64)
-    assert not torch.isnan(dq).any() and ((dq - dq_default).abs() <= allowed).all()
+    for name, grad, grad_default in zip(("dq", "dk", "dv"), ordered, default):
+        if family == "native" and name != "dq":
+            assert torch.equal(grad, grad_default), name
+            continue
+        grad, grad_default = grad.float(), grad_default.float()
+        allowed = grad_default.abs().max() / 64
+        if family == "native":  # one unit in the last place of the element or of 1/64 of the largest
+            allowed = torch.finfo(torch.bfloat16).eps * (grad_default.abs() + allowed)
+        assert not torch.isnan(grad).any() and ((grad - grad_default).abs() <= allowed).all(), name
