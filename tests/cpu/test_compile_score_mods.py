@@ -139,8 +139,8 @@ def test_a_causal_window_is_planned_as_a_window():
 
 def test_modified_calls_on_hopper_plan_the_hopper_kernels_that_have_them():
     """fp16 / bf16 at the Hopper forward's head dims: its forward for every length class (a
-    configuration it can implement); the Hopper backward at its head dims, with softcap except
-    at head dim 128; fp32, other head dims and softcap backwards at 128: sm80."""
+    configuration it can implement); the Hopper backward at its head dims, every modification;
+    fp32 and other head dims: sm80."""
     from cute_flash.kernels.sm90.config import BWD_HEAD_DIMS, HEAD_DIMS, can_implement
 
     for mods in ((True, False, False), (False, True, False), (False, False, True), (True, True, True)):

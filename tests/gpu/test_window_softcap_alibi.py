@@ -4,8 +4,8 @@ reference with the same window, cap and bias, within the yardstick (tests/gpu/co
 A modified forward runs the forward of the GPU's family where that family serves the dtype and
 head dim (the Hopper forward on an H100 for fp16 / bf16 at 64, 96, 128, 192, 256; the sm80 one
 otherwise, and under CUTE_FLASH_KERNEL_ARCH=sm80). A modified backward runs the Hopper backward
-for fp16 / bf16 at 64, 96, 128, 192 and 256 with a window, ALiBi (not causal ALiBi at 96 and 128)
-and softcap (not at 128), the sm80 one otherwise (other head dims, other GPUs).
+for fp16 / bf16 at 64, 96, 128, 192 and 256 with any modification, the sm80 one otherwise (other
+head dims, other GPUs).
 Modifications that change nothing (a window wider than both sequences, a causal window unbounded
 on the left) run the plain kernels of the GPU's family. `python -m tests.gpu.test_window_softcap_alibi
 --warm` compiles every kernel the tests below run into the disk cache, several at once.
