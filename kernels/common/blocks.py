@@ -24,7 +24,8 @@ Causal attention is bottom-right aligned: query i sees key j iff j <= i + seqlen
         causal mask; blocks from it on see the whole key block.
 
     turn = ranges.dq_turn_descending(n_block, m_block, seqlen_q, seqlen_k, window=None)
-        Deterministic backward, causal or windowed: n_block's turn to add m_block's dQ (0 first).
+        Deterministic backward, causal or windowed (BlockRanges.dq_turns_descend): n_block's turn to
+        add m_block's dQ (0 first).
 
     head_kv = kv_head(head, num_heads, num_heads_kv)
         The K/V head that query head `head` reads (GQA / MQA: consecutive query heads share one).
@@ -110,6 +111,15 @@ class BlockRanges:
         # the last key of the block is seen from query rows >= (n_block+1)*tile_n - 1 - (seqlen_k - seqlen_q)
         m_idx_all_see = (n_block + 1) * self.tile_n - 1 + seqlen_q - seqlen_k
         return cutlass.max(m_block_min, cute.ceil_div(cutlass.max(m_idx_all_see, 0), self.tile_m))
+
+    @staticmethod
+    def dq_turns_descend(deterministic: bool, causal: bool, window: bool) -> bool:
+        """Whether a deterministic backward adds dQ in descending key-block order (and runs its grid
+        from the last key block, so a CTA waits only for CTAs started before it): with causal or
+        window masks, where a key block's walk starts at its diagonal and the last key block of a
+        query block reaches it first. In ascending order every CTA waited for key block 0, whose
+        walk is the longest."""
+        return deterministic and (causal or window)
 
     def dq_turn_descending(self, n_block, m_block, seqlen_q, seqlen_k, window=None):
         """The deterministic backward's dQ order with a causal mask or a window: the key blocks

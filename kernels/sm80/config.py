@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import cutlass
 
+from cute_flash.kernels.common.blocks import BlockRanges
 from cute_flash.kernels.common.layouts import round_up
 
 # Opt-in shared memory per CTA: the sm80 kernels' budget, and the H100's for the sm80 backward,
@@ -74,9 +75,7 @@ class Sm80BwdConfig:
 
     @property
     def shortest_walk_first(self) -> bool:
-        """Deterministic with causal or window masks: dQ added in descending key-block order, the
-        grid run from the last key block (as kernels/sm90/config.py: Sm90BwdConfig's)."""
-        return self.deterministic and (self.causal or self.window)
+        return BlockRanges.dq_turns_descend(self.deterministic, self.causal, self.window)
 
 
 # The backward main kernel's tile rules (kernels/sm80/bwd.py: FlashAttnBwdSm80), pure host code

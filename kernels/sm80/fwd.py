@@ -54,7 +54,7 @@ from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softc
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
-from .config import SMEM_CAPACITY_SM80, Sm80FwdConfig
+from .config import SMEM_CAPACITY_SM80, Sm80FwdConfig, targets_sm90
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
@@ -185,7 +185,7 @@ class FlashAttnFwdSm80:
         if head_dim <= 64:
             return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
         if head_dim <= 128:
-            if arch == "sm_90a":
+            if targets_sm90(arch):
                 return dict(tile_m=128, tile_n=32, num_warps=4, num_stages=2)
             return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
         return dict(tile_m=64, tile_n=32, num_warps=4, num_stages=1)

@@ -577,7 +577,7 @@ class FlashAttnBwdSm90(BackwardTransfers):
             slope = alibi_head_slope(c.mAlibiSlopes, c.alibi_scale, c.batch, head)
             apply_alibi(c.acc_S, c.thr_SdP, cfg.m_block_size, cfg.n_block_size, m_block, c.n_block, c.seqlen_q,
                         c.seqlen_k, slope, transposed=True)
-        if const_expr(cfg.causal and cfg.shared_stats):
+        if const_expr(cfg.causal and cfg.m_block_size == 128):
             # 128-row blocks: the mask's compares on every block cost less than the registers a
             # branch around it keeps live (20 bytes per thread spilled with the branch).
             self.mask_causal(c, acc_S_mn, m_block)

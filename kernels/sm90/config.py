@@ -17,6 +17,8 @@ from dataclasses import dataclass, replace
 
 import cutlass
 
+from cute_flash.kernels.common.blocks import BlockRanges
+
 SMEM_BYTES = 227 * 1024
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
@@ -357,11 +359,7 @@ class Sm90BwdConfig:
 
     @property
     def shortest_walk_first(self) -> bool:
-        """Deterministic with causal or window masks: a key block's walk starts at its diagonal, so
-        the last key block of a query block reaches it first. The key blocks add in descending
-        order and the grid runs them from the last (a CTA only waits for CTAs started before it).
-        In ascending order every CTA waited for key block 0, whose walk is the longest."""
-        return self.deterministic and (self.causal or self.window)
+        return BlockRanges.dq_turns_descend(self.deterministic, self.causal, self.window)
 
     @property
     def dkv_columns(self) -> int:
@@ -417,8 +415,11 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
     m_block_size = 128 if head_dim == 64 and not (window or alibi or softcap or dropout) else 64
     # Above hd 128 (split_head_dim) one 64-key block per CTA; at hd 256 one Q / dO buffer each
     # (two would need 272 KB of smem with dQ's 64 KB staging buffer).
-    tiles = (dict(n_block_size=64, q_stages=1 if head_dim > 192 else 2) if head_dim > 128
-             else dict(n_block_size=64) if spills_at_128_keys else {})
+    tiles = {}
+    if head_dim > 128:
+        tiles = dict(n_block_size=64, q_stages=1 if head_dim > 192 else 2)
+    elif spills_at_128_keys:
+        tiles = dict(n_block_size=64)
     config = Sm90BwdConfig(dtype, head_dim, causal, deterministic, window, alibi, softcap, varlen=varlen,
                            dropout=dropout, m_block_size=m_block_size, **tiles)
     assert backward_smem_bytes(config) <= SMEM_BYTES

@@ -361,6 +361,14 @@ def assert_served_by(keys, family: str):
     assert families == {family}, f"expected the {family} kernels, the call used {sorted(families)}: {keys}"
 
 
+def force_kernel_family(monkeypatch, sm80: bool) -> None:
+    """The sm80 kernels forced for the test (CUTE_FLASH_KERNEL_ARCH=sm80), or the GPU's own family."""
+    if sm80:
+        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+
+
 @contextlib.contextmanager
 def served_by(family: str):
     """Asserts that the calls inside the block ran kernels of `family` ('sm90' or 'sm80') only."""

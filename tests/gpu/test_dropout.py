@@ -3,7 +3,7 @@ regenerated on the host (cute_flash.dropout.dropout_keep_mask, the kernels' own 
 within the yardstick (tests/gpu/common.py, its emulation dropping the same entries); the keep rate;
 reproducibility from torch's generator. The forward runs the Hopper forward on an H100 / H200 for
 fp16 / bf16 at head dims 64, 96 and 128, the sm80 one otherwise; the backward the Hopper backward
-at head dims 64, 96, 192 and 256 (it draws the mask on S^T), the sm80 one otherwise. The mask is a
+at every head dim it serves (it draws the mask on S^T), the sm80 one otherwise. The mask is a
 function of element coordinates, so every kernel draws the same one.
 `python -m tests.gpu.test_dropout --warm` compiles every kernel the tests below run, several at once.
 """
@@ -42,11 +42,6 @@ def dropout_forward_family(head_dim: int, dtype, alibi: bool = False) -> str:
     return expected_forward_family(head_dim, dtype) if head_dim <= 128 and not alibi else "sm80"
 
 
-def dropout_backward_family(head_dim: int, dtype) -> str:
-    """The Hopper backward has dropout at every head dim it serves (64 keys per CTA at hd 128)."""
-    return expected_backward_family(head_dim, dtype)
-
-
 def run(q, k, v, dout, causal, p=P, seed=0, deterministic=False, **mods):
     """flash_attn_func with dropout from torch's generator after manual_seed(seed): out, lse,
     grads and the call's (seed, offset)."""
@@ -55,7 +50,7 @@ def run(q, k, v, dout, causal, p=P, seed=0, deterministic=False, **mods):
     offset = torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
     with served_by(dropout_forward_family(q.shape[-1], q.dtype, mods.get("alibi_slopes") is not None)):
         out, lse = flash_attn_func(q, k, v, p, causal=causal, deterministic=deterministic, return_lse=True, **mods)
-    with served_by(dropout_backward_family(q.shape[-1], q.dtype)):
+    with served_by(expected_backward_family(q.shape[-1], q.dtype)):
         grads = torch.autograd.grad(out, (q, k, v), dout)
     return out, lse, grads, torch.tensor([seed, offset], dtype=torch.int64)
 

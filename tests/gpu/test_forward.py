@@ -13,11 +13,12 @@ from .common import (
     assert_forward_accurate,
     clear_sm90_tail_plans,
     expected_forward_family,
+    force_kernel_family,
     kernels_used,
     randn,
+    record_sm90_tail_plans,
     run_forward,
     served_by,
-    record_sm90_tail_plans,
     sm90_forward_config,
     sm90_walk_plan,
     sm90_walk_plan_is_empty,
@@ -33,10 +34,7 @@ SEQLENS = [(1, 1), (7, 7), (113, 203), (517, 33), (1023, 1024)]
 @pytest.fixture(params=["sm80", "native"])
 def family(request, monkeypatch):
     """Run every case on the sm80 kernels and on the GPU's own family (sm90 on an H100)."""
-    if request.param == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    force_kernel_family(monkeypatch, request.param == "sm80")
     return request.param
 
 

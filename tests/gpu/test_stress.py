@@ -12,6 +12,7 @@ from .common import (
     assert_counters_at_zero,
     assert_forward_accurate,
     expected_backward_family,
+    force_kernel_family,
     randn,
     run_forward,
     served_by,
@@ -48,10 +49,7 @@ FORWARD_SHAPES = [
 @pytest.mark.parametrize("family", ["native", "sm80"])
 @pytest.mark.parametrize("batch, seqlens, nheads, nheads_kv, head_dim, causal, dtype", FORWARD_SHAPES, ids=str)
 def test_forward_repeats_bit_for_bit(monkeypatch, family, batch, seqlens, nheads, nheads_kv, head_dim, causal, dtype):
-    if family == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    force_kernel_family(monkeypatch, family == "sm80")
     sq, sk = seqlens
     q = randn(batch, sq, nheads, head_dim, dtype=dtype)
     k, v = (randn(batch, sk, nheads_kv, head_dim, dtype=dtype) for _ in range(2))
@@ -128,10 +126,7 @@ def test_deterministic_order_with_more_key_blocks_than_resident_ctas(monkeypatch
     up to the order of its fp32 sums; on the sm80 kernel (as the A100 runs it) up to 1/64 of the
     largest value, since its deterministic variant forms dS from the 16-bit P where the default
     keeps the fp32 P (a key block's dQ share added twice or not at all is larger)."""
-    if family == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    force_kernel_family(monkeypatch, family == "sm80")
     sq, sk = seqlens
     q, dout = (randn(1, sq, 2, 64, dtype=torch.bfloat16) for _ in range(2))
     k, v = (randn(1, sk, 1, 64, dtype=torch.bfloat16) for _ in range(2))

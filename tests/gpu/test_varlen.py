@@ -19,8 +19,8 @@ import cute_flash
 from cute_flash import varlen
 
 from .common import (
-    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family, randn,
-    served_by,
+    assert_backward_accurate, assert_forward_accurate, expected_backward_family, expected_forward_family,
+    force_kernel_family, randn, served_by,
 )
 
 pytestmark = pytest.mark.gpu
@@ -97,10 +97,7 @@ def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **
 def forward_family(request, monkeypatch):
     """The family dispatch picks, and the sm80 kernels forced (on a Hopper GPU, their varlen
     forward would otherwise go untested)."""
-    if request.param == "sm80":
-        monkeypatch.setenv("CUTE_FLASH_KERNEL_ARCH", "sm80")
-    else:
-        monkeypatch.delenv("CUTE_FLASH_KERNEL_ARCH", raising=False)
+    force_kernel_family(monkeypatch, request.param == "sm80")
     return request.param
 
 
