@@ -310,10 +310,11 @@ class DecodePlan:
 
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                page_size: int = 0) -> DecodePlan:
+                page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS) -> DecodePlan:
     """The decode kernels (kernels/sm80/decode.py, decode_combine.py): one family for every GPU
     from sm_80 on, since decoding is bound by memory bandwidth, which mma.sync and cp.async reach on
-    Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size."""
+    Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size. `mods`
+    (window, softcap, ALiBi) go to the main kernel's `call_with_mods`."""
     from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
@@ -329,10 +330,15 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
                  fake_bshd(cdtype, head_dim), fake_rowstat(), fp32_bshd, fake_rowstat(), fake_int32_vector(),
                  fake_int32_vector(), fake_block_table(), cutlass.Int32(0), cutlass.Float32(1.0), cutlass.Int32(1),
                  fake_stream())
+    entry = None
+    if mods != NO_MODS:
+        main_args, entry = main_args[:-1] + fake_score_mods(*mods) + main_args[-1:], "call_with_mods"
+    window, softcap, alibi = mods
     combine_args = (fake_bshd(cutlass.Float32, head_dim), fake_rowstat(), fake_bshd(cdtype, head_dim), fake_rowstat(),
                     cutlass.Int32(2), fake_stream())
     return DecodePlan(
-        main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles), main_args, arch),
+        main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles, window=window,
+                                                    softcap=softcap, alibi=alibi), main_args, arch, entry=entry),
         combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim), combine_args, arch),
     )
 

@@ -17,13 +17,13 @@ import torch
 
 from . import device as devices
 from . import dispatch
-from .api import _on, _uniform_scores, kernel_input, kernel_view
+from .api import _on, _score_mods, _uniform_scores, kernel_input, kernel_view
 from .errors import InvalidDimensionError
 from .launchers import decode_launcher
 from .rotary import check_rotary, rotate_new_tokens
 from .validate import (
-    check_device, check_flag, check_kvcache, check_softmax_scale, kvcache_value_flags, raise_for_kvcache_values,
-    reads_values,
+    Problem, check_device, check_flag, check_kvcache, check_softmax_scale, check_window, kvcache_value_flags,
+    raise_for_kvcache_values, reads_values,
 )
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -37,12 +37,12 @@ _launchers: dict[tuple, object] = {}
 _arange: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int):
+def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool]):
     capability = devices.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, page_size)
+    key = (device.index, dtype, head_dim, causal, page_size, mods)
     kept = _launchers.get(key)
     if kept is None:
-        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size)
+        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods)
         kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n)
     return kept
 
@@ -109,19 +109,29 @@ def flash_attn_with_kvcache(
     bottom-right aligned. num_splits: splits along the keys (0: chosen per call). Returns out, or
     (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) float32.
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) rotate the new k (and q) before the
-    append (cute_flash/rotary.py). cache_leftpad, window_size other than (-1, -1), softcap and
-    alibi_slopes are rejected with UnsupportedArgumentError.
+    append (cute_flash/rotary.py). window_size, softcap and alibi_slopes as in flash_attn_func,
+    bottom-right aligned on each sequence's keys. cache_leftpad is rejected with
+    UnsupportedArgumentError.
     """
     problem, num_splits = check_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, window_size, softcap,
         rotary_interleaved, alibi_slopes, num_splits)
     causal = check_flag("causal", causal)
-    rotary_dim = check_rotary(rotary_cos, rotary_sin, problem, causal)
+    # The window rules at the cache's capacity: a side that bounds no row of the longest sequence
+    # the cache can hold bounds none of any shorter one.
+    longest = Problem(problem.batch, problem.seqlen_q, problem.capacity, problem.nheads, problem.nheads_kv,
+                      problem.head_dim, problem.dtype, q.device)
+    mods, mod_args = _score_mods(longest, causal, window_size, softcap, alibi_slopes)
+    # flash-attn 2 rotates queries at their own positions when the call is causal or local: a window
+    # side below the cache's capacity (its rule, not score_mods', which drops sides no row reaches)
+    by_position = causal or any(0 <= side < problem.capacity for side in check_window(window_size))
+    rotary_dim = check_rotary(rotary_cos, rotary_sin, problem, by_position)
     return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, t in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("block_table", block_table), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+                    ("block_table", block_table), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
+                    ("alibi_slopes", mods.alibi_slopes)):
         if isinstance(t, torch.Tensor):
             tensors[name] = t
     device = check_device(tensors)
@@ -141,19 +151,21 @@ def flash_attn_with_kvcache(
         if problem.page_size == 0:
             batch_idx = _identity(device, batch) if cache_batch_idx is None else cache_batch_idx.contiguous()
         if rotary_dim:
-            q, k = rotate_new_tokens(q, k, rotary_cos, rotary_sin, lengths, causal, rotary_interleaved)
+            q, k = rotate_new_tokens(q, k, rotary_cos, rotary_sin, lengths, by_position, rotary_interleaved)
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
-        launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, causal, problem.page_size)
+        launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size, mods.flags)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
         if num_splits == 0:
             group = problem.nheads // problem.nheads_kv
             m_blocks = -(-problem.seqlen_q * group // tile_m)
             max_keys = problem.capacity if not isinstance(cache_seqlens, int) else cache_seqlens + problem.seqlen_new
+            if mods.window is not None and mods.window[0] >= 0:  # a tile's rows see at most this many keys
+                max_keys = min(max_keys, mods.window[0] + problem.seqlen_q + max(mods.window[1], 0))
             num_splits = dispatch.decode_splits(batch, problem.nheads_kv, m_blocks, max_keys, tile_n,
                                                 devices.sm_count(device.index))
         q_k, scale_k = _uniform_scores(q, scale)
         launch(q_k, k_cache_k, v_cache_k, out, lse, lengths, problem.seqlen_new, batch_idx,
-               None if block_table is None else kernel_input(block_table, 4), scale_k, num_splits)
+               None if block_table is None else kernel_input(block_table, 4), scale_k, num_splits, *mod_args)
     return (out, lse) if return_softmax_lse else out

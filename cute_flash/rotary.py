@@ -2,9 +2,9 @@
 `rotary_cos`, `rotary_sin`, `rotary_interleaved`).
 
 The appended keys k are rotated at their own positions, cache_seqlens[b] + i, before they are
-written into the cache; the queries at the same positions when the call is causal, else all at
-position cache_seqlens[b] (flash-attn 2's rule: a non-causal call treats its queries as one
-position). The first `rotary_dim = 2 * rotary_cos.shape[1]` channels of each head rotate in pairs,
+written into the cache; the queries at the same positions when the call is causal or has a
+sliding window, else all at position cache_seqlens[b] (flash-attn 2's rule: a call without either
+treats its queries as one position). The first `rotary_dim = 2 * rotary_cos.shape[1]` channels of each head rotate in pairs,
 the rest pass unchanged: pairs (0, 1), (2, 3), ... when `rotary_interleaved` (GPT-J), else (c,
 c + rotary_dim / 2) (GPT-NeoX). The rotation is computed in fp32 and rounded once to the inputs'
 dtype. It runs as torch operations on the call's stream, before the append and the decode kernel,
@@ -21,7 +21,7 @@ from .validate import KVCacheProblem, require_torch_tensor
 ROTARY_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def check_rotary(rotary_cos, rotary_sin, problem: KVCacheProblem, causal: bool) -> int:
+def check_rotary(rotary_cos, rotary_sin, problem: KVCacheProblem, by_position: bool) -> int:
     """The rotary dimension of a call (0 without rotary tensors), after every rule on them."""
     if rotary_cos is None and rotary_sin is None:
         return 0
@@ -43,8 +43,8 @@ def check_rotary(rotary_cos, rotary_sin, problem: KVCacheProblem, causal: bool) 
     if rotary_dim > problem.head_dim:
         raise DimensionMismatchError(
             f"rotary_dim = 2 * rotary_cos.shape[1] = {rotary_dim} exceeds the head dim {problem.head_dim}")
-    # the last position rotated: a key at capacity - 1, a causal query up to seqlen_q - seqlen_new beyond
-    positions = problem.capacity + (max(problem.seqlen_q - problem.seqlen_new, 0) if causal else 0)
+    # the last position rotated: a key at capacity - 1, a query by position up to seqlen_q - seqlen_new beyond
+    positions = problem.capacity + (max(problem.seqlen_q - problem.seqlen_new, 0) if by_position else 0)
     if rotary_cos.shape[0] < positions:
         raise InvalidDimensionError(
             f"rotary_cos / rotary_sin hold {rotary_cos.shape[0]} positions; this call can rotate positions up "
@@ -69,11 +69,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 
 def rotate_new_tokens(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      cache_lengths: torch.Tensor, causal: bool, interleaved: bool):
-    """(q, k) rotated: k at cache_lengths[b] + i, q likewise when causal, else at cache_lengths[b]."""
+                      cache_lengths: torch.Tensor, by_position: bool, interleaved: bool):
+    """(q, k) rotated: k at cache_lengths[b] + i, q likewise when by_position (causal or windowed),
+    else at cache_lengths[b]."""
     start = cache_lengths.long()[:, None]
     key_positions = start + torch.arange(k.shape[1], device=k.device)
-    if causal:
+    if by_position:
         query_positions = start + torch.arange(q.shape[1], device=q.device)
     else:
         query_positions = start.expand(-1, q.shape[1])

@@ -391,21 +391,11 @@ def _require_int32_tensor(name: str, t, shape: tuple[int, ...], axes: str) -> No
         raise DimensionMismatchError(f"{name} must have shape {shape} {axes}, got {tuple(t.shape)}")
 
 
-def _check_unsupported_kvcache_options(cache_leftpad, window_size, softcap, alibi_slopes) -> None:
+def _check_unsupported_kvcache_options(cache_leftpad) -> None:
     if cache_leftpad is not None:
         raise UnsupportedArgumentError(
             "cache_leftpad is not supported: every sequence's cache starts at position 0; pass cache_leftpad=None"
         )
-    # The decode kernel has no score modifications yet (flash_attn_func's kernels do).
-    if check_window(window_size) != (-1, -1):
-        raise UnsupportedArgumentError(
-            f"window_size={window_size!r} is not supported by flash_attn_with_kvcache yet; pass window_size=(-1, -1)")
-    if check_softcap(softcap) != 0.0:
-        raise UnsupportedArgumentError(
-            f"softcap={softcap} is not supported by flash_attn_with_kvcache yet; pass softcap=0.0")
-    if alibi_slopes is not None:
-        raise UnsupportedArgumentError(
-            "alibi_slopes is not supported by flash_attn_with_kvcache yet; pass alibi_slopes=None")
 
 
 def _check_num_splits(num_splits) -> int:
@@ -420,9 +410,12 @@ def _check_num_splits(num_splits) -> int:
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table,
                   window_size, softcap, rotary_interleaved, alibi_slopes, num_splits) -> tuple[KVCacheProblem, int]:
     """Every rule of flash_attn_with_kvcache that needs no tensor's values (those are
-    `check_kvcache_values`) but the rotary tensors' (rotary.check_rotary, which needs `causal`);
-    returns the problem and num_splits."""
-    _check_unsupported_kvcache_options(cache_leftpad, window_size, softcap, alibi_slopes)
+    `check_kvcache_values`) but the rotary tensors' (rotary.check_rotary, which needs `causal`) and the
+    score modifications' (api._score_mods, which needs the problem); window_size and softcap are checked
+    here; returns the problem and num_splits."""
+    _check_unsupported_kvcache_options(cache_leftpad)
+    check_window(window_size)
+    check_softcap(softcap)
     check_flag("rotary_interleaved", rotary_interleaved)
     splits = _check_num_splits(num_splits)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):

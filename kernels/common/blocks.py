@@ -52,9 +52,10 @@ Python ints (the CPU tests check them against a brute-force mask):
         Backward mirror: query blocks m < m_block_right_mask or m >= m_block_left_mask need the mask.
 
     n_block_min, n_block_end = split_block_range(m_block, split, num_splits, seqlen_q, seqlen_k, group,
-                                                 tile_m, tile_n, causal)
+                                                 tile_m, tile_n, causal, window=None)
         Decode (packed rows r = q_idx * group + h): key blocks [n_block_min, n_block_end) of split
-        `split`; the splits cut the blocks the tile's rows see into equal runs (empty past the end).
+        `split`; the splits cut the blocks the tile's rows see (within the window's sides, if one)
+        into equal runs (empty past the end).
 """
 
 from __future__ import annotations
@@ -177,14 +178,25 @@ def kv_head(head, num_heads, num_heads_kv):
     return head // (num_heads // num_heads_kv)
 
 
-def split_block_range(m_block, split, num_splits, seqlen_q, seqlen_k, group, tile_m: int, tile_n: int, causal: bool):
+def split_block_range(m_block, split, num_splits, seqlen_q, seqlen_k, group, tile_m: int, tile_n: int, causal: bool,
+                      window=None):
     # straight-line arithmetic, so it also runs on Python ints (the CPU tests do)
     n_block_max = cute.ceil_div(seqlen_k, tile_n)
+    # the tile's last packed row belongs to the latest query position it holds
+    last_q = cutlass.min(seqlen_q - 1, ((m_block + 1) * tile_m - 1) // group)
     if causal:
-        # the tile's last packed row belongs to the latest query position it holds
-        last_q = cutlass.min(seqlen_q - 1, ((m_block + 1) * tile_m - 1) // group)
         keys_seen = cutlass.max(last_q + 1 + seqlen_k - seqlen_q, 0)
         n_block_max = cutlass.min(n_block_max, cute.ceil_div(keys_seen, tile_n))
-    blocks_per_split = cute.ceil_div(n_block_max, num_splits)
-    n_block_min = cutlass.min(split * blocks_per_split, n_block_max)
+    if window is None:
+        blocks_per_split = cute.ceil_div(n_block_max, num_splits)
+        n_block_min = cutlass.min(split * blocks_per_split, n_block_max)
+    else:
+        # keys up to the last query's right side, from the first query's left side
+        left, right = window
+        first_q = m_block * tile_m // group
+        keys_seen = cutlass.max(last_q + 1 + seqlen_k - seqlen_q + right, 0)
+        n_block_max = cutlass.min(n_block_max, cute.ceil_div(keys_seen, tile_n))
+        n_block_first = cutlass.min(cutlass.max(first_q + seqlen_k - seqlen_q - left, 0) // tile_n, n_block_max)
+        blocks_per_split = cute.ceil_div(n_block_max - n_block_first, num_splits)
+        n_block_min = cutlass.min(n_block_first + split * blocks_per_split, n_block_max)
     return n_block_min, cutlass.min(n_block_min + blocks_per_split, n_block_max)

@@ -247,6 +247,9 @@ class Sm80DecodeConfig:
     tile_n: int = 64  # keys per K/V block
     num_warps: int = 4  # stacked along M
     num_stages: int = 2  # K/V buffers
+    window: bool = False  # score modifications, as Sm80FwdConfig's (values at call time: call_with_mods)
+    softcap: bool = False
+    alibi: bool = False
 
 
 @dataclass(frozen=True)

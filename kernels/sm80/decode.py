@@ -17,8 +17,10 @@ each cache byte once and to spread the reading over every SM:
   smaller or larger than the key tile), or row j of cache entry batch_idx[b] (contiguous).
 
 Causal attention is bottom-right aligned as in the other kernels: query q_idx sees key j iff
-j <= q_idx + seqlen_k - seqlen_q. Every key block is masked (key bound and causal limit): the
-selects cost nothing next to the loads, and any block of a split may hold the diagonal.
+j <= q_idx + seqlen_k - seqlen_q. Every key block is masked (key bound, causal limit, window
+sides): the selects cost nothing next to the loads, and any block of a split may hold the
+diagonal. Softcap and ALiBi (`call_with_mods`) come before the masks, as in the forward; a row's
+ALiBi slope is its own query head's.
 
 The main loop is the sm80 forward's (kernels/sm80/fwd.py): K and V in separate cp.async groups,
 one ahead, S = Q K^T and O += P V with ldmatrix + mma.sync, online softmax in registers.
@@ -37,6 +39,7 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.blocks import split_block_range
 from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
+from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
 from .fwd import FlashAttnFwdSm80, gemm_sm80
@@ -100,6 +103,39 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         num_splits: Int32,
         stream: cuda.CUstream,
     ):
+        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, seqlen_new,
+                    softmax_scale, num_splits, None, None, None, None, stream)
+
+    @cute.jit
+    def call_with_mods(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOpart: cute.Tensor,
+        mLSEpart: cute.Tensor,
+        mCacheSeqlens: cute.Tensor,
+        mBatchIdx: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        seqlen_new: Int32,
+        softmax_scale: Float32,
+        num_splits: Int32,
+        window_left: Int32 | None,
+        window_right: Int32 | None,
+        softcap: Float32 | None,
+        mAlibiSlopes: cute.Tensor | None,
+        stream: cuda.CUstream,
+    ):
+        """With score modifications (config.window / softcap / alibi), None for each left out, as
+        the forward's call_with_mods (kernels/sm80/fwd.py) takes them."""
+        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, seqlen_new,
+                    softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream)
+
+    @cute.jit
+    def launch(self, mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, seqlen_new,
+               softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k_cache, v_cache, out must all have the kernel's dtype")
@@ -112,10 +148,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
         packed_rows = mQ.shape[1] * (mQ.shape[2] // mK.shape[2])
         grid = (cute.ceil_div(packed_rows, self.tile_m), num_splits, mQ.shape[0] * mK.shape[2])
+        # with softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
+        score_scale, mods = kernel_mod_args(self.cfg.window, self.cfg.softcap, self.cfg.alibi, softmax_scale,
+                                            window_left, window_right, softcap, mAlibiSlopes)
         self.kernel(
             mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable,
-            seqlen_new, softmax_scale * LOG2_E, num_splits,
-            sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, SharedStorage,
+            seqlen_new, score_scale * LOG2_E, num_splits,
+            sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, SharedStorage, **mods,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -143,6 +182,11 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         gmem_tiled_copy_O: cute.TiledCopy,
         tiled_mma: cute.TiledMma,
         SharedStorage: cutlass.Constexpr,
+        window_left: Int32 | None = None,
+        window_right: Int32 | None = None,
+        softcap_pre: Float32 | None = None,
+        mAlibiSlopes: cute.Tensor | None = None,
+        alibi_scale: Float32 | None = None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch_head = cute.arch.block_idx()
@@ -158,8 +202,9 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             cache_batch = mBatchIdx[batch]
 
         # ---- this CTA's key blocks: an equal share of those the tile's rows see ----
+        window = (window_left, window_right) if cutlass.const_expr(self.cfg.window) else None
         n_block_min, n_block_end = split_block_range(m_block, split, num_splits, seqlen_q, seqlen_k, group,
-                                                     self.tile_m, self.tile_n, self.causal)
+                                                     self.tile_m, self.tile_n, self.causal, window)
         n_block_first = n_block_end - 1
 
         smem = cutlass.memory.SmemAllocator()
@@ -227,8 +272,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         softmax.reset()
 
         # ---- main loop over this split's key blocks, last to first ----
+        row_slopes = None
+        if cutlass.const_expr(self.cfg.alibi):
+            row_slopes = self._row_slopes(thr_mma, mAlibiSlopes, alibi_scale, batch, m_block, packed_rows, group,
+                                          head_kv)
+        mods = (window, softcap_pre, row_slopes)
         step = partial(
-            self._step, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
+            self._step, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group, mods=mods,
             thr_mma=thr_mma, tiled_mma=tiled_mma, softmax=softmax, acc_O=acc_O,
             tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=smem_thr_copy_Q.partition_S(sQ),
             tSsK=smem_thr_copy_K.partition_S(sK), tOsVt=smem_thr_copy_V.partition_S(sVt),
@@ -288,21 +338,51 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                     dst[None, n, None].fill(0.0)
 
     @cute.jit
-    def _mask(self, acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group):
-        """-inf for keys at or past seqlen_k and, causal, right of each packed row's diagonal."""
+    def _row_slopes(self, thr_mma, mAlibiSlopes, alibi_scale, batch, m_block, packed_rows, group, head_kv):
+        """ALiBi's slope (times alibi_scale) of each of this thread's packed rows: a row's query head
+        is its own (r = q_idx * group + h), so the slope is per row, not per CTA. 0 past the rows."""
+        tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        slopes = cute.make_rmem_tensor((cute.size(tScS_mn, mode=[0]),), Float32)
+        for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
+            valid, _, head = self._packed_row(tScS_mn[r, 0][0], m_block, packed_rows, group, head_kv)
+            slopes[r] = Float32(0.0)
+            if valid:
+                slopes[r] = alibi_head_slope(mAlibiSlopes, alibi_scale, batch, head)
+        return slopes
+
+    @cute.jit
+    def _mask(self, acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group, mods):
+        """flash-attn 2's order: softcap, ALiBi's -slope * |i - j| (per packed row's head), then
+        -inf for keys at or past seqlen_k, right of each packed row's diagonal (causal) and outside
+        its window."""
+        window, softcap_pre, row_slopes = mods
+        if cutlass.const_expr(softcap_pre is not None):
+            apply_softcap(acc_S, softcap_pre)
         acc_S_mn = reshape_acc_to_mn(acc_S)
         tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         key_offset = n_block * self.tile_n
         for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
             limit = seqlen_k - key_offset
+            # the row's diagonal key, relative to the block
+            diagonal = (m_block * self.tile_m + tScS_mn[r, 0][0]) // group + seqlen_k - seqlen_q - key_offset
             if cutlass.const_expr(self.causal):
-                q_idx = (m_block * self.tile_m + tScS_mn[r, 0][0]) // group
-                limit = cutlass.min(limit, q_idx + 1 + seqlen_k - seqlen_q - key_offset)
+                limit = cutlass.min(limit, diagonal + 1)
+            first = 0
+            if cutlass.const_expr(window is not None):
+                limit = cutlass.min(limit, diagonal + window[1] + 1)
+                first = diagonal - window[0]
             for c in cutlass.range_constexpr(cute.size(tScS_mn, mode=[1])):
-                acc_S_mn[r, c] = -Float32.inf if tScS_mn[r, c][1] >= limit else acc_S_mn[r, c]
+                key = tScS_mn[r, c][1]
+                if cutlass.const_expr(row_slopes is not None):
+                    distance = Float32(diagonal - key)
+                    acc_S_mn[r, c] = acc_S_mn[r, c] + row_slopes[r] * cutlass.max(distance, -distance)
+                hidden = key >= limit
+                if cutlass.const_expr(window is not None):
+                    hidden = hidden | (key < first)
+                acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
 
     @cute.jit
-    def _step(self, n_block, smem_read, smem_write, m_block, seqlen_q, seqlen_k, group, thr_mma, tiled_mma,
+    def _step(self, n_block, smem_read, smem_write, m_block, seqlen_q, seqlen_k, group, mods, thr_mma, tiled_mma,
               softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_thr_copy_Q, smem_thr_copy_K,
               smem_thr_copy_V, load_kv, mK, mV, tKsK, tVsV):
         # the forward's two-wait step (kernels/sm80/fwd.py: _step), every block masked
@@ -315,7 +395,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         cute.arch.cp_async_commit_group()
         gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
                   tSsQ, smem_thr_copy_Q)
-        self._mask(acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group)
+        self._mask(acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group, mods)
         row_scale = softmax.online_softmax(acc_S, is_first=False, check_inf=True)
         softmax.rescale_O_if_needed(acc_O, row_scale)
         rP = cute.make_rmem_tensor_like(acc_S, self.dtype)

@@ -41,6 +41,31 @@ def test_decode_compiles_without_spills(monkeypatch, arch, dtype, head_dim, caus
     assert report.registers <= 255
 
 
+# (arch, dtype, head_dim, causal, page_size, (window, softcap, alibi)): each modification alone and
+# all three, contiguous and paged, the largest head dim.
+MOD_VARIANTS = [
+    ("sm_80", torch.bfloat16, 128, False, 0, (True, False, False)),
+    ("sm_90a", torch.float16, 64, True, 16, (False, True, False)),
+    ("sm_90a", torch.bfloat16, 128, False, 0, (False, False, True)),
+    ("sm_80", torch.bfloat16, 128, False, 256, (True, True, True)),
+    ("sm_90a", torch.bfloat16, 256, True, 0, (False, True, True)),
+]
+
+
+@pytest.mark.parametrize("arch,dtype,head_dim,causal,page_size,mods", MOD_VARIANTS, ids=str)
+def test_decode_with_score_modifications_compiles_without_spills(monkeypatch, arch, dtype, head_dim, causal,
+                                                                 page_size, mods):
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    plan = dispatch.plan_decode((9, 0) if arch == "sm_90a" else (8, 0), dtype, head_dim, causal, page_size, mods)
+    config = plan.main.config
+    assert plan.main.entry == "call_with_mods" and (config.window, config.softcap, config.alibi) == mods
+    report = _compile(plan.main, arch)
+    assert "mma.sync.aligned.m16n8k16.row.col.f32" in report.ptx
+    if mods[1]:
+        assert "rcp.approx" in report.ptx  # tanh from ex2 and rcp
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
@@ -80,7 +105,9 @@ def test_split_block_ranges_match_brute_force():
     from cute_flash.kernels.common.blocks import split_block_range
 
     tile_m, tile_n = 64, 64
-    for causal in (False, True):
+    # (causal, window): windows as the kernel takes them, an unbounded side as a bound no row reaches
+    for causal, window in [(False, None), (True, None), (False, (100, 0)), (False, (0, 0)), (False, (5000, 70)),
+                           (False, (130, 5000)), (False, (3, 2))]:
         for seqlen_q, seqlen_k, group in [(1, 1, 4), (1, 1000, 4), (4, 130, 8), (16, 64, 4), (200, 1201, 4),
                                           (200, 150, 1), (3, 1, 4), (3, 0, 2), (8, 4096, 8)]:
             rows = seqlen_q * group
@@ -88,18 +115,19 @@ def test_split_block_ranges_match_brute_force():
                 seen = set()
                 for r in range(m_block * tile_m, min((m_block + 1) * tile_m, rows)):
                     q_idx = r // group
-                    last = seqlen_k - 1 if not causal else min(seqlen_k - 1, q_idx + seqlen_k - seqlen_q)
-                    seen |= {j // tile_n for j in range(last + 1)}
+                    first, last = 0, seqlen_k - 1 if not causal else min(seqlen_k - 1, q_idx + seqlen_k - seqlen_q)
+                    if window is not None:
+                        first = max(first, q_idx + seqlen_k - seqlen_q - window[0])
+                        last = min(last, q_idx + seqlen_k - seqlen_q + window[1])
+                    seen |= {j // tile_n for j in range(first, last + 1)}
                 for num_splits in (1, 2, 3, 7, 64):
                     ranges = [tuple(int(x) for x in split_block_range(
-                        m_block, s, num_splits, seqlen_q, seqlen_k, group, tile_m, tile_n, causal))
+                        m_block, s, num_splits, seqlen_q, seqlen_k, group, tile_m, tile_n, causal, window))
                         for s in range(num_splits)]
                     covered = [n for lo, hi in ranges for n in range(lo, hi)]
                     assert sorted(covered) == sorted(set(covered)), "splits overlap"
-                    # every block some row sees, and nothing past the last of them (blocks below it
-                    # are all seen: causal rows see a prefix of the keys)
-                    assert set(covered) == set(range(max(seen) + 1 if seen else 0))
-                    assert set(covered) == seen
+                    # exactly the blocks some row sees (consecutive rows' keys overlap: no gaps)
+                    assert set(covered) == seen, (causal, window, seqlen_q, seqlen_k, group, m_block)
                     # equal runs, the last one possibly shorter
                     sizes = [hi - lo for lo, hi in ranges if hi > lo]
                     assert all(x == sizes[0] for x in sizes[:-1]) and (not sizes or sizes[-1] <= sizes[0])

@@ -48,16 +48,37 @@ def call(q, kc, vc, **kw):
     return flash_attn_with_kvcache(q, kc, vc, **kw)
 
 
-@pytest.mark.parametrize("kw, fragment", [
-    (dict(cache_leftpad=torch.zeros(2, dtype=torch.int32)), "cache_leftpad"),
-    (dict(window_size=(16, 0)), "window_size"),
-    (dict(softcap=30.0), "softcap"),
-    (dict(alibi_slopes=torch.ones(8)), "alibi"),
-])
-def test_unimplemented_arguments_rejected(kw, fragment):
+def test_cache_leftpad_rejected():
     q, kc, vc, _, _ = inputs()
-    msg = expect(ErrorCode.INVALID_DIMENSION, cute_flash.UnsupportedArgumentError, call, q, kc, vc, **kw)
+    msg = expect(ErrorCode.INVALID_DIMENSION, cute_flash.UnsupportedArgumentError, call, q, kc, vc,
+                 cache_leftpad=torch.zeros(2, dtype=torch.int32))
+    assert "cache_leftpad" in msg
+
+
+@pytest.mark.parametrize("kw, code, error, fragment", [
+    (dict(window_size=(-2, 0)), ErrorCode.INVALID_DIMENSION, ValueError, "window_size"),
+    (dict(window_size=(4,)), ErrorCode.INVALID_DIMENSION, ValueError, "window_size"),
+    (dict(softcap=-1.0), ErrorCode.INVALID_DIMENSION, ValueError, "softcap"),
+    (dict(alibi_slopes=torch.ones(8, dtype=torch.float64)), ErrorCode.UNSUPPORTED_DTYPE, TypeError, "alibi_slopes"),
+    (dict(alibi_slopes=torch.ones(3, 8)), ErrorCode.DIMENSION_MISMATCH, ValueError, "alibi_slopes"),
+])
+def test_score_modification_errors(kw, code, error, fragment):
+    """window_size, softcap and alibi_slopes are taken (the decode kernel's call_with_mods) and
+    checked as flash_attn_func checks them, before anything runs."""
+    q, kc, vc, k, v = inputs()
+    kc_before = kc.clone()
+    msg = expect(code, error, call, q, kc, vc, k=k, v=v, cache_seqlens=torch.zeros(2, dtype=torch.int32), **kw)
     assert fragment in msg
+    assert torch.equal(kc, kc_before)
+
+
+def test_score_modifications_pass_every_rule():
+    """Valid ones reach the device check (CPU tensors here), the last rule before the kernels."""
+    q, kc, vc, k, v = inputs()
+    for kw in (dict(window_size=(16, 0)), dict(softcap=30.0), dict(alibi_slopes=torch.ones(2, 8)),
+               dict(window_size=(100, 3), softcap=5.0, alibi_slopes=torch.ones(8), causal=True)):
+        expect(ErrorCode.CUDA_ERROR, RuntimeError, call, q, kc, vc, k=k, v=v,
+               cache_seqlens=torch.zeros(2, dtype=torch.int32), **kw)
 
 
 def test_cache_shapes_and_dtypes():

@@ -74,7 +74,9 @@ class Cache:
 
 
 def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.bfloat16, page_size=0,
-               seqlen_new=None, num_splits=0, spare_entries=0, lengths=None, int_lengths=False):
+               seqlen_new=None, num_splits=0, spare_entries=0, lengths=None, int_lengths=False, **mods):
+    """One call against the float64 reference per sequence, the cache checked outside the append.
+    `mods`: window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads)) as the call takes them."""
     nheads, nheads_kv = heads
     seqlen_new = seqlen_q if seqlen_new is None else seqlen_new
     if lengths is None:
@@ -87,7 +89,7 @@ def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.b
     cache_seqlens = int(lengths[0]) if int_lengths else lengths.cuda()
     out, lse = flash_attn_with_kvcache(
         q, cache.k, cache.v, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache.batch_idx,
-        block_table=cache.block_table, causal=causal, num_splits=num_splits, return_softmax_lse=True)
+        block_table=cache.block_table, causal=causal, num_splits=num_splits, return_softmax_lse=True, **mods)
     torch.cuda.synchronize()
     written_k, written_v = k_before.clone(), v_before.clone()
     for b in range(batch):
@@ -101,7 +103,10 @@ def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.b
             assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b]))
             continue
         keys, values = cache.sequence(cache.k, b, n + seqlen_new), cache.sequence(cache.v, b, n + seqlen_new)
-        assert_forward_accurate(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, causal)
+        seq_mods = dict(mods)
+        if seq_mods.get("alibi_slopes") is not None and seq_mods["alibi_slopes"].dim() == 2:
+            seq_mods["alibi_slopes"] = seq_mods["alibi_slopes"][b : b + 1]
+        assert_forward_accurate(out[b : b + 1], lse[b : b + 1], q[b : b + 1], keys, values, causal, **seq_mods)
     assert torch.equal(cache.k, written_k) and torch.equal(cache.v, written_v), "the cache changed outside the append"
 
 
@@ -118,6 +123,41 @@ def test_contiguous(seqlen_q, heads, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_paged(page_size, seqlen_q, heads, causal):
     check_call(3, seqlen_q, heads, 128, 1200, causal, page_size=page_size)
+
+
+def _slopes(batch, nheads, per_batch):
+    base = torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], device="cuda")
+    return base * torch.rand(batch, 1, device="cuda").add(0.5) if per_batch else base
+
+
+# (mods, causal): windows (causal ones, one-sided, two-sided, a left side shorter than the query
+# block), softcap, ALiBi with (nheads,) and (batch, nheads) slopes, all three.
+MODS = [
+    (dict(window_size=(64, 0)), False), (dict(window_size=(100, 8)), False), (dict(window_size=(3, 2)), True),
+    (dict(softcap=30.0), True), (dict(alibi_slopes=False), False), (dict(alibi_slopes=True), True),
+    (dict(window_size=(300, 0), softcap=20.0, alibi_slopes=True), False),
+]
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=lambda h: f"{h[0]}:{h[1]}")
+@pytest.mark.parametrize("seqlen_q", [1, 16])
+@pytest.mark.parametrize("mods, causal", MODS, ids=str)
+def test_score_modifications(mods, causal, seqlen_q, heads, page_size):
+    """window_size, softcap and alibi_slopes as flash_attn_func takes them, on each sequence's keys
+    (bottom-right aligned), with packed query heads (ALiBi's slope is per packed row's head)."""
+    mods = dict(mods)
+    if "alibi_slopes" in mods:
+        mods["alibi_slopes"] = _slopes(3, heads[0], mods["alibi_slopes"])
+    check_call(3, seqlen_q, heads, 128, 1000, causal, page_size=page_size, **mods)
+
+
+def test_window_on_a_long_cache_reads_only_its_blocks():
+    """A 1000-key window at the end of up to 128k keys (the splits start at the window's first
+    block): ragged lengths, the heuristic's split count and 7 explicit splits."""
+    lengths = torch.tensor([131072 - 1, 1, 5000], dtype=torch.int32)
+    check_call(3, 1, (32, 8), 128, 131072, False, lengths=lengths, window_size=(1000, 0))
+    check_call(3, 4, (8, 1), 128, 131072, True, lengths=lengths, num_splits=7, window_size=(1000, 0))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
