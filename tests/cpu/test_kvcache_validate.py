@@ -221,6 +221,12 @@ def test_rotary_arguments():
     q3 = torch.randn(2, 3, 8, 64).to(torch.bfloat16)
     expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q3, kc, vc, rotary_cos=table, rotary_sin=table, causal=True,
            **append)
+    # So does a windowed one (flash-attn 2 rotates "local" queries by position too), not one whose
+    # window sides reach past the cache (no window: its queries all sit at cache_seqlens).
+    expect(ErrorCode.INVALID_DIMENSION, ValueError, call, q3, kc, vc, rotary_cos=table, rotary_sin=table,
+           window_size=(16, -1), **append)
+    expect(ErrorCode.CUDA_ERROR, RuntimeError, call, q3, kc, vc, rotary_cos=table, rotary_sin=table,
+           window_size=(64, -1), **append)
     # Every rule passed: the call stops at the device check, nothing written.
     expect(ErrorCode.CUDA_ERROR, RuntimeError, call, q, kc, vc, rotary_cos=table, rotary_sin=table, **append)
     assert torch.all(kc == 0) and torch.all(vc == 0)
