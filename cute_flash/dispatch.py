@@ -310,11 +310,11 @@ class DecodePlan:
 
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS) -> DecodePlan:
+                page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS, leftpad: bool = False) -> DecodePlan:
     """The decode kernels (kernels/sm80/decode.py, decode_combine.py): one family for every GPU
     from sm_80 on, since decoding is bound by memory bandwidth, which mma.sync and cp.async reach on
     Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size. `mods`
-    (window, softcap, ALiBi) go to the main kernel's `call_with_mods`."""
+    (window, softcap, ALiBi) go to the main kernel's `call_with_mods`; `leftpad`: cache_leftpad given."""
     from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
@@ -328,8 +328,8 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     fp32_bshd = fake_bshd(cutlass.Float32, head_dim)
     main_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim),
                  fake_bshd(cdtype, head_dim), fake_rowstat(), fp32_bshd, fake_rowstat(), fake_int32_vector(),
-                 fake_int32_vector(), fake_block_table(), cutlass.Int32(0), cutlass.Float32(1.0), cutlass.Int32(1),
-                 fake_stream())
+                 fake_int32_vector(), fake_block_table(), fake_int32_vector() if leftpad else None, cutlass.Int32(0),
+                 cutlass.Float32(1.0), cutlass.Int32(1), fake_stream())
     entry = None
     if mods != NO_MODS:
         main_args, entry = main_args[:-1] + fake_score_mods(*mods) + main_args[-1:], "call_with_mods"
@@ -338,7 +338,8 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
                     cutlass.Int32(2), fake_stream())
     return DecodePlan(
         main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles, window=window,
-                                                    softcap=softcap, alibi=alibi), main_args, arch, entry=entry),
+                                                    softcap=softcap, alibi=alibi, leftpad=leftpad),
+                  main_args, arch, entry=entry),
         combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim), combine_args, arch),
     )
 

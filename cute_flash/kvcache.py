@@ -37,12 +37,13 @@ _launchers: dict[tuple, object] = {}
 _arange: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool]):
+def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool],
+            leftpad: bool):
     capability = devices.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, page_size, mods)
+    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad)
     kept = _launchers.get(key)
     if kept is None:
-        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods)
+        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad)
         kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n)
     return kept
 
@@ -110,8 +111,9 @@ def flash_attn_with_kvcache(
     (out, softmax_lse) with softmax_lse (batch, nheads, seqlen_q) float32.
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2) rotate the new k (and q) before the
     append (cute_flash/rotary.py). window_size, softcap and alibi_slopes as in flash_attn_func,
-    bottom-right aligned on each sequence's keys. cache_leftpad is rejected with
-    UnsupportedArgumentError.
+    bottom-right aligned on each sequence's keys. cache_leftpad: (batch,) int32, where each
+    sequence's keys start in its cache (positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1;
+    the append and rotary positions stay absolute, as in flash-attn 2).
     """
     problem, num_splits = check_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, window_size, softcap,
@@ -130,15 +132,15 @@ def flash_attn_with_kvcache(
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, t in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("block_table", block_table), ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin),
-                    ("alibi_slopes", mods.alibi_slopes)):
+                    ("cache_leftpad", cache_leftpad), ("block_table", block_table), ("rotary_cos", rotary_cos),
+                    ("rotary_sin", rotary_sin), ("alibi_slopes", mods.alibi_slopes)):
         if isinstance(t, torch.Tensor):
             tensors[name] = t
     device = check_device(tensors)
     k_cache_k, v_cache_k = _cache_view("k_cache", k_cache), _cache_view("v_cache", v_cache)
     with _on(device):
         if reads_values(VALUE_CHECKS):
-            flags = kvcache_value_flags(problem, cache_seqlens, cache_batch_idx, block_table, device)
+            flags = kvcache_value_flags(problem, cache_seqlens, cache_batch_idx, block_table, device, cache_leftpad)
             if flags is not None:
                 raise_for_kvcache_values(flags.tolist(), problem)
         batch = problem.batch
@@ -154,7 +156,8 @@ def flash_attn_with_kvcache(
             q, k = rotate_new_tokens(q, k, rotary_cos, rotary_sin, lengths, by_position, rotary_interleaved)
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
-        launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size, mods.flags)
+        launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size, mods.flags,
+                                         cache_leftpad is not None)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
         if num_splits == 0:
@@ -167,5 +170,6 @@ def flash_attn_with_kvcache(
                                                 devices.sm_count(device.index))
         q_k, scale_k = _uniform_scores(q, scale)
         launch(q_k, k_cache_k, v_cache_k, out, lse, lengths, problem.seqlen_new, batch_idx,
-               None if block_table is None else kernel_input(block_table, 4), scale_k, num_splits, *mod_args)
+               None if block_table is None else kernel_input(block_table, 4),
+               None if cache_leftpad is None else cache_leftpad.contiguous(), scale_k, num_splits, *mod_args)
     return (out, lse) if return_softmax_lse else out

@@ -7,7 +7,7 @@
     backward_varlen_launcher(plan) -> launch(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q,
                                         cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, *score_mods)
     decode_launcher(plan)     -> launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new,
-                                        batch_idx, block_table, softmax_scale, num_splits)
+                                        batch_idx, block_table, leftpad, softmax_scale, num_splits[, *score_mods])
 
 A plan with score modifications (dispatch: `mods`) takes their runtime values last: window left,
 window right, softcap, ALiBi slopes, None for each the plan leaves out (api._score_mods).
@@ -261,26 +261,27 @@ def _decode_placeholders(device: torch.device, head_dim: int) -> tuple[torch.Ten
 
 def decode_launcher(plan: DecodePlan) -> Callable:
     """`launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table,
-    softmax_scale, num_splits, *mod_args)` for a decode plan: with more than one split the kernel
-    writes fp32 pieces into a workspace from torch's caching allocator and the combine kernel merges
-    them into out and lse. batch_idx / block_table may be None where the cache kind does not use
-    them; mod_args (window sides, softcap, slopes: api.score_mod_args) only for a plan with mods."""
+    leftpad, softmax_scale, num_splits, *mod_args)` for a decode plan: with more than one split the
+    kernel writes fp32 pieces into a workspace from torch's caching allocator and the combine kernel
+    merges them into out and lse. batch_idx / block_table may be None where the cache kind does not
+    use them, leftpad (cache_leftpad) where the plan has none; mod_args (window sides, softcap,
+    slopes: api._score_mods) only for a plan with mods."""
     main, combine = plan.main.compiled(), plan.combine.compiled()
 
-    def launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table, softmax_scale,
-               num_splits, *mod_args):
+    def launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table, leftpad,
+               softmax_scale, num_splits, *mod_args):
         o_unused, lse_unused, index_unused, table_unused = _decode_placeholders(q.device, q.shape[3])
         batch_idx = index_unused if batch_idx is None else batch_idx
         block_table = table_unused if block_table is None else block_table
         if num_splits == 1:
             main(q, k_cache, v_cache, out, lse, o_unused, lse_unused, cache_seqlens, batch_idx, block_table,
-                 seqlen_new, softmax_scale, 1, *mod_args)
+                 leftpad, seqlen_new, softmax_scale, 1, *mod_args)
             return
         batch, seqlen_q, nheads, head_dim = q.shape
         o_pieces = torch.empty(num_splits * batch, seqlen_q, nheads, head_dim, dtype=torch.float32, device=q.device)
         lse_pieces = torch.empty(num_splits * batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
         main(q, k_cache, v_cache, out, lse, o_pieces, lse_pieces, cache_seqlens, batch_idx, block_table,
-             seqlen_new, softmax_scale, num_splits, *mod_args)
+             leftpad, seqlen_new, softmax_scale, num_splits, *mod_args)
         combine(o_pieces, lse_pieces, out, lse, num_splits)
 
     return launch

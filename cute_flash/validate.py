@@ -391,11 +391,6 @@ def _require_int32_tensor(name: str, t, shape: tuple[int, ...], axes: str) -> No
         raise DimensionMismatchError(f"{name} must have shape {shape} {axes}, got {tuple(t.shape)}")
 
 
-def _check_unsupported_kvcache_options(cache_leftpad) -> None:
-    if cache_leftpad is not None:
-        raise UnsupportedArgumentError(
-            "cache_leftpad is not supported: every sequence's cache starts at position 0; pass cache_leftpad=None"
-        )
 
 
 def _check_num_splits(num_splits) -> int:
@@ -413,7 +408,6 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
     `check_kvcache_values`) but the rotary tensors' (rotary.check_rotary, which needs `causal`) and the
     score modifications' (api._score_mods, which needs the problem); window_size and softcap are checked
     here; returns the problem and num_splits."""
-    _check_unsupported_kvcache_options(cache_leftpad)
     check_window(window_size)
     check_softcap(softcap)
     check_flag("rotary_interleaved", rotary_interleaved)
@@ -496,6 +490,8 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
         raise InvalidDimensionError(
             f"cache_seqlens={cache_seqlens} with {seqlen_new} appended keys does not fit a cache of "
             f"{capacity} keys per sequence")
+    if cache_leftpad is not None:
+        _require_int32_tensor("cache_leftpad", cache_leftpad, (batch,), "(batch,)")
     if batch * nheads_kv > MAX_GRID_Z:
         raise InvalidDimensionError(
             f"batch * nheads_kv = {batch * nheads_kv} exceeds {MAX_GRID_Z}, the decode kernel's grid limit; "
@@ -506,14 +502,15 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
 
 
 def kvcache_value_flags(problem: KVCacheProblem, cache_seqlens, cache_batch_idx, block_table,
-                       device: torch.device) -> torch.Tensor | None:
-    """The rules on the values of cache_seqlens, cache_batch_idx and block_table, evaluated on the
-    device into one bool tensor, one flag per rule of `raise_for_kvcache_values` (None when no
-    tensor holds values to check). Reading it is the one host synchronization of a checked call."""
-    if not any(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, block_table)):
+                       device: torch.device, cache_leftpad=None) -> torch.Tensor | None:
+    """The rules on the values of cache_seqlens, cache_batch_idx, block_table and cache_leftpad,
+    evaluated on the device into one bool tensor, one flag per rule of `raise_for_kvcache_values`
+    (None when no tensor holds values to check). Reading it is the one host synchronization of a
+    checked call."""
+    if not any(isinstance(t, torch.Tensor) for t in (cache_seqlens, cache_batch_idx, block_table, cache_leftpad)):
         return None
     false = torch.zeros((), dtype=torch.bool, device=device)
-    negative = overflow = batch_out = page_out = false
+    negative = overflow = batch_out = page_out = leftpad_out = false
     if isinstance(cache_seqlens, torch.Tensor):
         negative = (cache_seqlens < 0).any()
         overflow = (cache_seqlens > problem.capacity - problem.seqlen_new).any()
@@ -526,7 +523,9 @@ def kvcache_value_flags(problem: KVCacheProblem, cache_seqlens, cache_batch_idx,
         pages = (keys + problem.page_size - 1) // problem.page_size
         used = torch.arange(block_table.shape[1], device=device)[None, :] < pages
         page_out = (used & ((block_table < 0) | (block_table >= problem.cache_entries))).any()
-    return torch.stack([negative, overflow, batch_out, page_out])
+    if cache_leftpad is not None:  # a sequence starts at or before its old keys' end
+        leftpad_out = ((cache_leftpad < 0) | (cache_leftpad.reshape(-1, 1) > keys - problem.seqlen_new)).any()
+    return torch.stack([negative, overflow, batch_out, page_out, leftpad_out])
 
 
 def raise_for_kvcache_values(flags: list[bool], problem: KVCacheProblem) -> None:
@@ -538,6 +537,7 @@ def raise_for_kvcache_values(flags: list[bool], problem: KVCacheProblem) -> None
         f"cache_batch_idx has an entry outside [0, {problem.cache_entries})",
         f"block_table has a negative entry, or one >= num_blocks ({problem.cache_entries}), among the blocks "
         "the sequences use",
+        "cache_leftpad has an entry below 0 or above its sequence's cache_seqlens",
     )
     raise_for_values(flags, messages)
 

@@ -250,6 +250,7 @@ class Sm80DecodeConfig:
     window: bool = False  # score modifications, as Sm80FwdConfig's (values at call time: call_with_mods)
     softcap: bool = False
     alibi: bool = False
+    leftpad: bool = False  # each sequence's keys start at its cache_leftpad position
 
 
 @dataclass(frozen=True)

@@ -98,12 +98,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         mCacheSeqlens: cute.Tensor,  # (batch,) int32: keys of each sequence before the new ones
         mBatchIdx: cute.Tensor,  # (batch,) int32: cache entry of each sequence (contiguous cache)
         mBlockTable: cute.Tensor,  # (batch, max_pages) int32 (paged cache)
+        mCacheLeftpad: cute.Tensor | None,  # (batch,) int32: where each sequence starts in the cache (config.leftpad)
         seqlen_new: Int32,  # keys appended to every sequence by this call (already in the cache)
         softmax_scale: Float32,
         num_splits: Int32,
         stream: cuda.CUstream,
     ):
-        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, seqlen_new,
+        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad, seqlen_new,
                     softmax_scale, num_splits, None, None, None, None, stream)
 
     @cute.jit
@@ -119,6 +120,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         mCacheSeqlens: cute.Tensor,
         mBatchIdx: cute.Tensor,
         mBlockTable: cute.Tensor,
+        mCacheLeftpad: cute.Tensor | None,
         seqlen_new: Int32,
         softmax_scale: Float32,
         num_splits: Int32,
@@ -130,11 +132,11 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     ):
         """With score modifications (config.window / softcap / alibi), None for each left out, as
         the forward's call_with_mods (kernels/sm80/fwd.py) takes them."""
-        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, seqlen_new,
+        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad, seqlen_new,
                     softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream)
 
     @cute.jit
-    def launch(self, mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, seqlen_new,
+    def launch(self, mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad, seqlen_new,
                softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
@@ -155,6 +157,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable,
             seqlen_new, score_scale * LOG2_E, num_splits,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, SharedStorage, **mods,
+            mCacheLeftpad=mCacheLeftpad,
         ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
 
     # ------------------------------------------------------------------------------------------
@@ -187,6 +190,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         softcap_pre: Float32 | None = None,
         mAlibiSlopes: cute.Tensor | None = None,
         alibi_scale: Float32 | None = None,
+        mCacheLeftpad: cute.Tensor | None = None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch_head = cute.arch.block_idx()
@@ -197,6 +201,11 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         group = mQ.shape[2] // num_heads_kv
         packed_rows = seqlen_q * group
         seqlen_k = mCacheSeqlens[batch] + seqlen_new
+        leftpad = None
+        if cutlass.const_expr(self.cfg.leftpad):
+            # the sequence's keys start at this cache position: key j is cache row leftpad + j
+            leftpad = mCacheLeftpad[batch]
+            seqlen_k -= leftpad
         cache_batch = Int32(0)
         if cutlass.const_expr(self.page_size == 0):
             cache_batch = mBatchIdx[batch]
@@ -256,7 +265,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             self._zero_hdim_padding(tVsV, tKVpKV)
 
         load_kv = partial(self._gather_kv, gmem_tiled_copy_QKV, gmem_thr_copy, tKVcKV, tKVpKV, seqlen_k,
-                          batch, head_kv, cache_batch, mBlockTable, n_block_min)
+                          batch, head_kv, cache_batch, mBlockTable, n_block_min, leftpad)
         load_kv(mK, tKsK, n_block_first, 0)
         cute.arch.cp_async_commit_group()
         load_kv(mV, tVsV, n_block_first, 0)
@@ -318,19 +327,21 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
 
     @cute.jit
     def _gather_kv(self, gmem_tiled_copy, gmem_thr_copy, tXcX, tXpX, seqlen_k, batch, head_kv, cache_batch,
-                   mBlockTable, n_block_min, mX, tXsX, n_block, stage):
+                   mBlockTable, n_block_min, leftpad, mX, tXsX, n_block, stage):
         """K or V block n_block into smem stage `stage`, row by row from the cache (nothing when
-        n_block is outside this split). Keys at or past seqlen_k become zeros: they meet P = 0."""
+        n_block is outside this split). Keys at or past seqlen_k become zeros: they meet P = 0.
+        With `leftpad` key j is the cache's position leftpad + j."""
         dst = tXsX[None, None, None, stage]
         if n_block >= n_block_min:
             for n in cutlass.range_constexpr(cute.size(dst.shape[1])):
                 key = n_block * self.tile_n + tXcX[0, n, 0][0]
                 if key < seqlen_k:
+                    position = key if cutlass.const_expr(leftpad is None) else key + leftpad
                     if cutlass.const_expr(self.page_size > 0):
-                        page_idx = key // self.page_size
-                        row = mX[mBlockTable[batch, page_idx], key - page_idx * self.page_size, head_kv, None]
+                        page_idx = position // self.page_size
+                        row = mX[mBlockTable[batch, page_idx], position - page_idx * self.page_size, head_kv, None]
                     else:
-                        row = mX[cache_batch, key, head_kv, None]
+                        row = mX[cache_batch, position, head_kv, None]
                     src = gmem_thr_copy.partition_S(self._row_tile(row, self.tile_n))
                     cute.copy(gmem_tiled_copy, src[None, n, None], dst[None, n, None],
                               pred=tXpX[None, n, None] if cutlass.const_expr(self.check_hdim) else None)

@@ -41,24 +41,27 @@ def test_decode_compiles_without_spills(monkeypatch, arch, dtype, head_dim, caus
     assert report.registers <= 255
 
 
-# (arch, dtype, head_dim, causal, page_size, (window, softcap, alibi)): each modification alone and
-# all three, contiguous and paged, the largest head dim.
+# (arch, dtype, head_dim, causal, page_size, (window, softcap, alibi), cache_leftpad): each
+# modification alone and all three, contiguous and paged, the largest head dim, left padding.
 MOD_VARIANTS = [
-    ("sm_80", torch.bfloat16, 128, False, 0, (True, False, False)),
-    ("sm_90a", torch.float16, 64, True, 16, (False, True, False)),
-    ("sm_90a", torch.bfloat16, 128, False, 0, (False, False, True)),
-    ("sm_80", torch.bfloat16, 128, False, 256, (True, True, True)),
-    ("sm_90a", torch.bfloat16, 256, True, 0, (False, True, True)),
+    ("sm_80", torch.bfloat16, 128, False, 0, (True, False, False), False),
+    ("sm_90a", torch.float16, 64, True, 16, (False, True, False), True),
+    ("sm_90a", torch.bfloat16, 128, False, 0, (False, False, True), False),
+    ("sm_80", torch.bfloat16, 128, False, 256, (True, True, True), False),
+    ("sm_90a", torch.bfloat16, 256, True, 0, (False, True, True), True),
+    ("sm_90a", torch.bfloat16, 128, True, 0, (False, False, False), True),
 ]
 
 
-@pytest.mark.parametrize("arch,dtype,head_dim,causal,page_size,mods", MOD_VARIANTS, ids=str)
+@pytest.mark.parametrize("arch,dtype,head_dim,causal,page_size,mods,leftpad", MOD_VARIANTS, ids=str)
 def test_decode_with_score_modifications_compiles_without_spills(monkeypatch, arch, dtype, head_dim, causal,
-                                                                 page_size, mods):
+                                                                 page_size, mods, leftpad):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
-    plan = dispatch.plan_decode((9, 0) if arch == "sm_90a" else (8, 0), dtype, head_dim, causal, page_size, mods)
+    plan = dispatch.plan_decode((9, 0) if arch == "sm_90a" else (8, 0), dtype, head_dim, causal, page_size, mods,
+                                leftpad)
     config = plan.main.config
-    assert plan.main.entry == "call_with_mods" and (config.window, config.softcap, config.alibi) == mods
+    assert (config.window, config.softcap, config.alibi, config.leftpad) == (*mods, leftpad)
+    assert plan.main.entry == ("call_with_mods" if any(mods) else None)
     report = _compile(plan.main, arch)
     assert "mma.sync.aligned.m16n8k16.row.col.f32" in report.ptx
     if mods[1]:

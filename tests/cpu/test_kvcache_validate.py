@@ -48,11 +48,18 @@ def call(q, kc, vc, **kw):
     return flash_attn_with_kvcache(q, kc, vc, **kw)
 
 
-def test_cache_leftpad_rejected():
-    q, kc, vc, _, _ = inputs()
-    msg = expect(ErrorCode.INVALID_DIMENSION, cute_flash.UnsupportedArgumentError, call, q, kc, vc,
-                 cache_leftpad=torch.zeros(2, dtype=torch.int32))
+def test_cache_leftpad_shape_and_dtype():
+    q, kc, vc, k, v = inputs()
+    append = dict(k=k, v=v, cache_seqlens=torch.zeros(2, dtype=torch.int32))
+    msg = expect(ErrorCode.UNSUPPORTED_DTYPE, TypeError, call, q, kc, vc, cache_leftpad=torch.zeros(2), **append)
     assert "cache_leftpad" in msg
+    expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc, vc, cache_leftpad=torch.zeros(3, dtype=torch.int32),
+           **append)
+    # paged caches take it too (flash-attn 2 rejects that pair)
+    qp, kp, vp, kn, vn = inputs(paged=True)
+    expect(ErrorCode.CUDA_ERROR, RuntimeError, call, qp, kp, vp, k=kn, v=vn,
+           cache_seqlens=torch.zeros(2, dtype=torch.int32), block_table=torch.zeros(2, 4, dtype=torch.int32),
+           cache_leftpad=torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("kw, code, error, fragment", [
@@ -157,7 +164,7 @@ def test_cpu_tensors_rejected_before_anything_is_written():
 
 def _value_error(problem, **tensors):
     flags = kvcache_value_flags(problem, tensors.get("cache_seqlens"), tensors.get("cache_batch_idx"),
-                                tensors.get("block_table"), torch.device("cpu"))
+                                tensors.get("block_table"), torch.device("cpu"), tensors.get("cache_leftpad"))
     assert flags is not None
     try:
         raise_for_kvcache_values(flags.tolist(), problem)
@@ -196,6 +203,11 @@ def test_value_rules():
     bad[0, 1] = 8  # sequence 0 reaches its second page only one key later
     assert _value_error(paged, cache_seqlens=lengths, block_table=bad) is None
     assert "block_table" in _value_error(paged, cache_seqlens=lengths + 1, block_table=bad)
+    # cache_leftpad: from 0 to the sequence's old keys (equal: only the appended keys are seen)
+    five_nine = torch.tensor([5, 9], **i32)
+    assert _value_error(contiguous, cache_seqlens=five_nine, cache_leftpad=torch.tensor([5, 0], **i32)) is None
+    for pads in ([6, 0], [0, -1]):
+        assert "cache_leftpad" in _value_error(contiguous, cache_seqlens=five_nine, cache_leftpad=torch.tensor(pads, **i32))
 
 
 def test_rotary_arguments():

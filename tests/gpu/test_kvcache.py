@@ -74,9 +74,10 @@ class Cache:
 
 
 def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.bfloat16, page_size=0,
-               seqlen_new=None, num_splits=0, spare_entries=0, lengths=None, int_lengths=False, **mods):
+               seqlen_new=None, num_splits=0, spare_entries=0, lengths=None, int_lengths=False, leftpad=None, **mods):
     """One call against the float64 reference per sequence, the cache checked outside the append.
-    `mods`: window_size, softcap, alibi_slopes ((nheads,) or (batch, nheads)) as the call takes them."""
+    `leftpad`: per-sequence cache_leftpad (the reference sees keys from there on); `mods`: window_size,
+    softcap, alibi_slopes ((nheads,) or (batch, nheads)) as the call takes them."""
     nheads, nheads_kv = heads
     seqlen_new = seqlen_q if seqlen_new is None else seqlen_new
     if lengths is None:
@@ -89,7 +90,8 @@ def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.b
     cache_seqlens = int(lengths[0]) if int_lengths else lengths.cuda()
     out, lse = flash_attn_with_kvcache(
         q, cache.k, cache.v, k, v, cache_seqlens=cache_seqlens, cache_batch_idx=cache.batch_idx,
-        block_table=cache.block_table, causal=causal, num_splits=num_splits, return_softmax_lse=True, **mods)
+        block_table=cache.block_table, causal=causal, num_splits=num_splits, return_softmax_lse=True,
+        cache_leftpad=None if leftpad is None else leftpad.cuda(), **mods)
     torch.cuda.synchronize()
     written_k, written_v = k_before.clone(), v_before.clone()
     for b in range(batch):
@@ -99,10 +101,12 @@ def check_call(batch, seqlen_q, heads, head_dim, capacity, causal, dtype=torch.b
             assert torch.equal(cache.k[entries, rows], k[b]), f"appended keys of sequence {b} not in the cache"
             assert torch.equal(cache.v[entries, rows], v[b]), f"appended values of sequence {b} not in the cache"
             written_k[entries, rows], written_v[entries, rows] = k[b], v[b]
-        if n + seqlen_new == 0:  # no key at all: out 0, lse -inf, as the other kernels
+        start = 0 if leftpad is None else int(leftpad[b])
+        if n + seqlen_new == start:  # no key at all: out 0, lse -inf, as the other kernels
             assert torch.all(out[b] == 0) and torch.all(torch.isneginf(lse[b]))
             continue
-        keys, values = cache.sequence(cache.k, b, n + seqlen_new), cache.sequence(cache.v, b, n + seqlen_new)
+        keys = cache.sequence(cache.k, b, n + seqlen_new)[:, start:]
+        values = cache.sequence(cache.v, b, n + seqlen_new)[:, start:]
         seq_mods = dict(mods)
         if seq_mods.get("alibi_slopes") is not None and seq_mods["alibi_slopes"].dim() == 2:
             seq_mods["alibi_slopes"] = seq_mods["alibi_slopes"][b : b + 1]
@@ -158,6 +162,19 @@ def test_window_on_a_long_cache_reads_only_its_blocks():
     lengths = torch.tensor([131072 - 1, 1, 5000], dtype=torch.int32)
     check_call(3, 1, (32, 8), 128, 131072, False, lengths=lengths, window_size=(1000, 0))
     check_call(3, 4, (8, 1), 128, 131072, True, lengths=lengths, num_splits=7, window_size=(1000, 0))
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("mods, causal", [({}, False), ({}, True), (dict(window_size=(50, 0), softcap=10.0), False)],
+                         ids=str)
+def test_cache_leftpad(mods, causal, page_size):
+    """cache_leftpad[b]: sequence b's keys are cache positions leftpad[b] .. cache_seqlens[b] + new - 1
+    (the append stays at cache_seqlens[b]); left padding equal to the old keys leaves only the new ones."""
+    lengths = torch.tensor([700, 1, 300, 40], dtype=torch.int32)
+    leftpad = torch.tensor([13, 1, 299, 0], dtype=torch.int32)
+    check_call(4, 4, (16, 4), 128, 1000, causal, page_size=page_size, lengths=lengths, leftpad=leftpad, **mods)
+    check_call(4, 1, (8, 1), 64, 1000, causal, page_size=page_size, lengths=lengths, leftpad=leftpad, num_splits=3,
+               **mods)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 16])
