@@ -4,9 +4,9 @@
 The appended keys k are rotated at their own positions, cache_seqlens[b] + i, before they are
 written into the cache; the queries at the same positions when the call is causal or has a
 sliding window, else all at position cache_seqlens[b] (flash-attn 2's rule: a call without either
-treats its queries as one position). The first `rotary_dim = 2 * rotary_cos.shape[1]` channels of each head rotate in pairs,
-the rest pass unchanged: pairs (0, 1), (2, 3), ... when `rotary_interleaved` (GPT-J), else (c,
-c + rotary_dim / 2) (GPT-NeoX). The rotation is computed in fp32 and rounded once to the inputs'
+treats its queries as one position). The first `rotary_dim = 2 * rotary_cos.shape[1]` channels
+of each head rotate in pairs, the rest pass unchanged: pairs (0, 1), (2, 3), ... when
+`rotary_interleaved` (GPT-J), else (c, c + rotary_dim / 2) (GPT-NeoX). The rotation is computed in fp32 and rounded once to the inputs'
 dtype. It runs as torch operations on the call's stream, before the append and the decode kernel,
 with no host synchronization (CUDA-graph capturable).
 """

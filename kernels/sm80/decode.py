@@ -98,14 +98,14 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         mCacheSeqlens: cute.Tensor,  # (batch,) int32: keys of each sequence before the new ones
         mBatchIdx: cute.Tensor,  # (batch,) int32: cache entry of each sequence (contiguous cache)
         mBlockTable: cute.Tensor,  # (batch, max_pages) int32 (paged cache)
-        mCacheLeftpad: cute.Tensor | None,  # (batch,) int32: where each sequence starts in the cache (config.leftpad)
+        mCacheLeftpad: cute.Tensor | None,  # (batch,) int32: where each sequence's keys start (config.leftpad)
         seqlen_new: Int32,  # keys appended to every sequence by this call (already in the cache)
         softmax_scale: Float32,
         num_splits: Int32,
         stream: cuda.CUstream,
     ):
-        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad, seqlen_new,
-                    softmax_scale, num_splits, None, None, None, None, stream)
+        self._launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad,
+                     seqlen_new, softmax_scale, num_splits, None, None, None, None, stream)
 
     @cute.jit
     def call_with_mods(
@@ -132,12 +132,12 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     ):
         """With score modifications (config.window / softcap / alibi), None for each left out, as
         the forward's call_with_mods (kernels/sm80/fwd.py) takes them."""
-        self.launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad, seqlen_new,
-                    softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream)
+        self._launch(mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad,
+                     seqlen_new, softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream)
 
     @cute.jit
-    def launch(self, mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad, seqlen_new,
-               softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream):
+    def _launch(self, mQ, mK, mV, mO, mLSE, mOpart, mLSEpart, mCacheSeqlens, mBatchIdx, mBlockTable, mCacheLeftpad,
+                seqlen_new, softmax_scale, num_splits, window_left, window_right, softcap, mAlibiSlopes, stream):
         if cutlass.const_expr(not (mQ.element_type == mK.element_type == mV.element_type
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k_cache, v_cache, out must all have the kernel's dtype")

@@ -207,7 +207,8 @@ def test_value_rules():
     five_nine = torch.tensor([5, 9], **i32)
     assert _value_error(contiguous, cache_seqlens=five_nine, cache_leftpad=torch.tensor([5, 0], **i32)) is None
     for pads in ([6, 0], [0, -1]):
-        assert "cache_leftpad" in _value_error(contiguous, cache_seqlens=five_nine, cache_leftpad=torch.tensor(pads, **i32))
+        error = _value_error(contiguous, cache_seqlens=five_nine, cache_leftpad=torch.tensor(pads, **i32))
+        assert "cache_leftpad" in error
 
 
 def test_rotary_arguments():
