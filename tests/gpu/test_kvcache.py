@@ -159,9 +159,10 @@ def test_score_modifications(mods, causal, seqlen_q, heads, page_size):
 def test_window_on_a_long_cache_reads_only_its_blocks():
     """A 1000-key window at the end of up to 128k keys (the splits start at the window's first
     block): ragged lengths, the heuristic's split count and 7 explicit splits."""
-    lengths = torch.tensor([131072 - 1, 1, 5000], dtype=torch.int32)
-    check_call(3, 1, (32, 8), 128, 131072, False, lengths=lengths, window_size=(1000, 0))
-    check_call(3, 4, (8, 1), 128, 131072, True, lengths=lengths, num_splits=7, window_size=(1000, 0))
+    for seqlen_q, heads, causal, num_splits in ((1, (32, 8), False, 0), (4, (8, 1), True, 7)):
+        lengths = torch.tensor([131072 - seqlen_q, 1, 5000], dtype=torch.int32)  # the first fills the cache
+        check_call(3, seqlen_q, heads, 128, 131072, causal, lengths=lengths, num_splits=num_splits,
+                   window_size=(1000, 0))
 
 
 @pytest.mark.parametrize("page_size", [0, 16])
