@@ -310,11 +310,13 @@ class DecodePlan:
 
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
-                page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS, leftpad: bool = False) -> DecodePlan:
+                page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS, leftpad: bool = False,
+                deep: bool = False) -> DecodePlan:
     """The decode kernels (kernels/sm80/decode.py, decode_combine.py): one family for every GPU
     from sm_80 on, since decoding is bound by memory bandwidth, which mma.sync and cp.async reach on
     Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size. `mods`
-    (window, softcap, ALiBi) go to the main kernel's `call_with_mods`; `leftpad`: cache_leftpad given."""
+    (window, softcap, ALiBi) go to the main kernel's `call_with_mods`; `leftpad`: cache_leftpad given;
+    `deep` (`decode_is_deep`): DECODE_DEEP_STAGES K/V buffers where they fit, one CTA per SM."""
     from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
@@ -322,6 +324,9 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     tiles = FlashDecodeSm80.default_tiles(head_dim)
+    if deep and capability in DECODE_DEEP_CAPABILITIES and FlashDecodeSm80.can_implement(
+            cdtype, head_dim, causal, page_size, **dict(tiles, num_stages=DECODE_DEEP_STAGES)):
+        tiles["num_stages"] = DECODE_DEEP_STAGES
     if not FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size, **tiles):
         raise UnsupportedDtypeError(
             f"no decode kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}, page size {page_size}")
@@ -348,6 +353,24 @@ DECODE_CTAS_PER_SM = 2
 """Decode CTAs resident per SM (80 KB of shared memory each at head dim 128): one wave is this
 many CTAs on every SM."""
 
+DECODE_DEEP_STAGES = 4
+"""K/V buffers of a deep decode CTA (144 KB at head dim 128: one CTA per SM). Measured on the H100
+(2026-11-28, a0f80ad, against 2 stages in the same call): +32% at batch 1, 128k keys, 8:1 heads,
+where each of 256 CTAs reads 8 key blocks and spends its time filling a 2-deep pipeline; -2 to -4%
+at batch 64, where 512 row tiles fill the GPU without splits."""
+
+DECODE_DEEP_CAPABILITIES = ((8, 0), (9, 0))
+"""GPUs with the 163 KB (or more) of shared memory per CTA a deep CTA needs (sm_86 / sm_89 have 99)."""
+
+
+def decode_is_deep(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_dim: int, num_sms: int) -> bool:
+    """Whether a decode call takes the deep CTA: when its row tiles (CTAs per split) number fewer
+    than the SMs, the splits fill the GPU, and each CTA's pipeline fill is what it waits on."""
+    from .kernels.sm80.decode import FlashDecodeSm80
+
+    tile_m = FlashDecodeSm80.default_tiles(head_dim)["tile_m"]
+    return batch * nheads_kv * -(-seqlen_q * (nheads // nheads_kv) // tile_m) < num_sms
+
 DECODE_MIN_SPLIT_BLOCKS = 4
 """A split reads at least this many key blocks, so the merge stays small next to the reads."""
 
@@ -355,10 +378,11 @@ DECODE_SPLIT_COST_BLOCKS = 1
 """What a CTA costs beyond its key blocks (loading Q, writing its piece), in key-block reads."""
 
 
-def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile_n: int, num_sms: int) -> int:
+def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile_n: int, num_sms: int,
+                  ctas_per_sm: int = DECODE_CTAS_PER_SM) -> int:
     """num_splits=0: how many splits along the keys a decode call takes. One CTA per (packed row
-    block, batch, KV head, split); the call's time is taken as its waves of DECODE_CTAS_PER_SM CTAs
-    per SM times one CTA's key blocks (plus DECODE_SPLIT_COST_BLOCKS), and the fewest splits with
+    block, batch, KV head, split); the call's time is taken as its waves of `ctas_per_sm` CTAs
+    per SM (1 for a deep CTA) times one CTA's key blocks (plus DECODE_SPLIT_COST_BLOCKS), and the fewest splits with
     the least time win: 64 CTAs on 132 SMs split 4 ways fill one wave, where 5 ways (the smallest
     split count reaching a wave) would run a second wave for 56 CTAs. Splits keep at least
     DECODE_MIN_SPLIT_BLOCKS key blocks and number at most validate.MAX_SPLITS. `max_keys` is the
@@ -367,7 +391,7 @@ def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile
 
     blocks = -(-max_keys // tile_n)
     most = max(1, min(blocks // DECODE_MIN_SPLIT_BLOCKS, MAX_SPLITS))
-    return _fastest_split(batch * nheads_kv * m_blocks, blocks, DECODE_CTAS_PER_SM * num_sms, most)
+    return _fastest_split(batch * nheads_kv * m_blocks, blocks, ctas_per_sm * num_sms, most)
 
 
 @lru_cache(maxsize=1024)

@@ -38,13 +38,15 @@ _arange: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool],
-            leftpad: bool):
+            leftpad: bool, deep: bool):
     capability = devices.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad)
+    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep)
     kept = _launchers.get(key)
     if kept is None:
-        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad)
-        kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n)
+        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep)
+        deep_plan = plan.main.config.num_stages == dispatch.DECODE_DEEP_STAGES
+        kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n,
+                                  1 if deep_plan else dispatch.DECODE_CTAS_PER_SM)
     return kept
 
 
@@ -156,8 +158,10 @@ def flash_attn_with_kvcache(
             q, k = rotate_new_tokens(q, k, rotary_cos, rotary_sin, lengths, by_position, rotary_interleaved)
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
-        launch, tile_m, tile_n = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size, mods.flags,
-                                         cache_leftpad is not None)
+        sms = devices.sm_count(device.index)
+        deep = dispatch.decode_is_deep(batch, problem.nheads, problem.nheads_kv, problem.seqlen_q, problem.head_dim, sms)
+        launch, tile_m, tile_n, ctas_per_sm = _decode(device, q.dtype, problem.head_dim, mods.causal,
+                                                      problem.page_size, mods.flags, cache_leftpad is not None, deep)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
         if num_splits == 0:
@@ -166,8 +170,7 @@ def flash_attn_with_kvcache(
             max_keys = problem.capacity if not isinstance(cache_seqlens, int) else cache_seqlens + problem.seqlen_new
             if mods.window is not None and mods.window[0] >= 0:  # a tile's rows see at most this many keys
                 max_keys = min(max_keys, mods.window[0] + problem.seqlen_q + max(mods.window[1], 0))
-            num_splits = dispatch.decode_splits(batch, problem.nheads_kv, m_blocks, max_keys, tile_n,
-                                                devices.sm_count(device.index))
+            num_splits = dispatch.decode_splits(batch, problem.nheads_kv, m_blocks, max_keys, tile_n, sms, ctas_per_sm)
         q_k, scale_k = _uniform_scores(q, scale)
         launch(q_k, k_cache_k, v_cache_k, out, lse, lengths, problem.seqlen_new, batch_idx,
                None if block_table is None else kernel_input(block_table, 4),

@@ -69,6 +69,21 @@ def test_decode_with_score_modifications_compiles_without_spills(monkeypatch, ar
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
+@pytest.mark.parametrize("arch,head_dim,page_size", [("sm_80", 128, 0), ("sm_90a", 256, 16), ("sm_90a", 64, 48)])
+def test_deep_decode_compiles_without_spills(monkeypatch, arch, head_dim, page_size):
+    """The deep CTA (dispatch.DECODE_DEEP_STAGES K/V buffers) fits the shared memory of sm_80 and
+    sm_90 at every head dim, and runs the same loop."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    capability = (9, 0) if arch == "sm_90a" else (8, 0)
+    plan = dispatch.plan_decode(capability, torch.bfloat16, head_dim, True, page_size, deep=True)
+    assert plan.main.config.num_stages == dispatch.DECODE_DEEP_STAGES
+    report = _compile(plan.main, arch)
+    assert "cp.async.cg.shared.global" in report.ptx
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+    # sm_86 / sm_89 (99 KB per CTA) keep two stages
+    assert dispatch.plan_decode((8, 6), torch.bfloat16, head_dim, True, page_size, deep=True).main.config.num_stages == 2
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
@@ -100,6 +115,14 @@ def test_page_sizes_and_split_heuristic():
     assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 256  # validate.MAX_SPLITS
     assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132) == 4  # one wave of 256 CTAs, not 320 in two
     assert dispatch.decode_splits(64, 8, 1, 4096, 64, 132) == 1
+    # a deep CTA: one per SM, so one wave is 132 CTAs
+    assert dispatch.decode_splits(1, 1, 1, 131072, 64, 132, ctas_per_sm=1) == 128
+    assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132, ctas_per_sm=1) == 2
+    # deep where the row tiles number fewer than the SMs: batch 1, 8:1 heads, 1 token: 1 tile
+    assert dispatch.decode_is_deep(1, 8, 1, 1, 128, 132)
+    assert dispatch.decode_is_deep(8, 32, 8, 1, 128, 132)  # 64 tiles
+    assert not dispatch.decode_is_deep(64, 32, 8, 1, 128, 132)  # 512 tiles
+    assert not dispatch.decode_is_deep(1, 32, 8, 2000, 128, 132)  # a 2000-token chunk: 8 * 125 tiles
 
 
 def test_split_block_ranges_match_brute_force():
