@@ -354,22 +354,25 @@ DECODE_CTAS_PER_SM = 2
 many CTAs on every SM."""
 
 DECODE_DEEP_STAGES = 4
-"""K/V buffers of a deep decode CTA (144 KB at head dim 128: one CTA per SM). Measured on the H100
-(2026-11-28, a0f80ad, against 2 stages in the same call): +32% at batch 1, 128k keys, 8:1 heads,
-where each of 256 CTAs reads 8 key blocks and spends its time filling a 2-deep pipeline; -2 to -4%
-at batch 64, where 512 row tiles fill the GPU without splits."""
+"""K/V buffers of a deep decode CTA (144 KB at head dim 128: one CTA per SM). Measured against 2
+stages in the same call, contiguous cache, hd 128, one token: +32% (H100, a0f80ad) and +23% (H200,
+04daba6) at batch 1, 128k keys, 8:1 heads, where each of 256 CTAs reads 8 key blocks and waits on
+filling a 2-deep pipeline; a tie at batch 1, 32k keys, 8:1 (1.01) and batch 8, 4k keys, 8:1 (1.02);
+-13 to -27% wherever the calls have 8 or more row tiles of real work (batch 8 at 8:1, 32:8 heads)."""
 
 DECODE_DEEP_CAPABILITIES = ((8, 0), (9, 0))
 """GPUs with the 163 KB (or more) of shared memory per CTA a deep CTA needs (sm_86 / sm_89 have 99)."""
 
 
-def decode_is_deep(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_dim: int, num_sms: int) -> bool:
-    """Whether a decode call takes the deep CTA: when its row tiles (CTAs per split) number fewer
-    than the SMs, the splits fill the GPU, and each CTA's pipeline fill is what it waits on."""
+def decode_is_deep(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_dim: int) -> bool:
+    """Whether a decode call takes the deep CTA: when the whole call is one row tile (batch 1, one KV
+    head, its query rows in one tile), only the splits spread it over the GPU, and each CTA's
+    pipeline fill is what it waits on. With more row tiles the 2-stage CTAs, two per SM, won
+    (DECODE_DEEP_STAGES)."""
     from .kernels.sm80.decode import FlashDecodeSm80
 
     tile_m = FlashDecodeSm80.default_tiles(head_dim)["tile_m"]
-    return batch * nheads_kv * -(-seqlen_q * (nheads // nheads_kv) // tile_m) < num_sms
+    return batch * nheads_kv * -(-seqlen_q * (nheads // nheads_kv) // tile_m) == 1
 
 DECODE_MIN_SPLIT_BLOCKS = 4
 """A split reads at least this many key blocks, so the merge stays small next to the reads."""

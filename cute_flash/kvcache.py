@@ -159,7 +159,7 @@ def flash_attn_with_kvcache(
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
         sms = devices.sm_count(device.index)
-        deep = dispatch.decode_is_deep(batch, problem.nheads, problem.nheads_kv, problem.seqlen_q, problem.head_dim, sms)
+        deep = dispatch.decode_is_deep(batch, problem.nheads, problem.nheads_kv, problem.seqlen_q, problem.head_dim)
         launch, tile_m, tile_n, ctas_per_sm = _decode(device, q.dtype, problem.head_dim, mods.causal,
                                                       problem.page_size, mods.flags, cache_leftpad is not None, deep)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)

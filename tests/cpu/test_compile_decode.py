@@ -118,11 +118,11 @@ def test_page_sizes_and_split_heuristic():
     # a deep CTA: one per SM, so one wave is 132 CTAs
     assert dispatch.decode_splits(1, 1, 1, 131072, 64, 132, ctas_per_sm=1) == 128
     assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132, ctas_per_sm=1) == 2
-    # deep where the row tiles number fewer than the SMs: batch 1, 8:1 heads, 1 token: 1 tile
-    assert dispatch.decode_is_deep(1, 8, 1, 1, 128, 132)
-    assert dispatch.decode_is_deep(8, 32, 8, 1, 128, 132)  # 64 tiles
-    assert not dispatch.decode_is_deep(64, 32, 8, 1, 128, 132)  # 512 tiles
-    assert not dispatch.decode_is_deep(1, 32, 8, 2000, 128, 132)  # a 2000-token chunk: 8 * 125 tiles
+    # deep where the whole call is one row tile: batch 1, 8:1 heads, 1 token
+    assert dispatch.decode_is_deep(1, 8, 1, 1, 128)
+    assert not dispatch.decode_is_deep(8, 8, 1, 1, 128)  # 8 tiles
+    assert not dispatch.decode_is_deep(1, 32, 8, 1, 128)  # 8 tiles
+    assert not dispatch.decode_is_deep(1, 8, 1, 2000, 128)  # a 2000-token chunk
 
 
 def test_split_block_ranges_match_brute_force():

@@ -189,6 +189,18 @@ def test_long_ragged_cache_split():
     check_call(3, 1, (32, 8), 128, 131072, False, lengths=lengths)
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("mods, causal", [({}, False), ({}, True), (dict(softcap=10.0, window_size=(3000, 0)), True)],
+                         ids=str)
+def test_one_row_tile_takes_the_deep_cta(mods, causal, page_size):
+    """Batch 1, one KV head, one token: the whole call is one row tile, which takes the deep CTA
+    (dispatch.decode_is_deep) on sm_80 / sm_90."""
+    from cute_flash import dispatch
+
+    assert dispatch.decode_is_deep(1, 8, 1, 1, 128)
+    check_call(1, 1, (8, 1), 128, 40000, causal, page_size=page_size, **mods)
+
+
 def test_fp16_head_dim_64_odd_page():
     check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
 
