@@ -320,6 +320,7 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
+    from .validate import MAX_SPLITS
 
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
@@ -345,7 +346,7 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
         main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles, window=window,
                                                     softcap=softcap, alibi=alibi, leftpad=leftpad),
                   main_args, arch, entry=entry),
-        combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim), combine_args, arch),
+        combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim, MAX_SPLITS), combine_args, arch),
     )
 
 

@@ -259,3 +259,4 @@ class Sm80DecodeCombineConfig:
 
     dtype: type[cutlass.Numeric]
     head_dim: int
+    max_splits: int  # the most splits a call may take (validate.MAX_SPLITS)

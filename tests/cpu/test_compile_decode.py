@@ -9,6 +9,7 @@ import cutlass
 from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
 from cute_flash.kernels.sm80.decode_combine import SPLIT_UNROLL
+from cute_flash.validate import MAX_SPLITS
 
 # (arch, dtype, head_dim, causal, page_size): contiguous and paged (a page below, at and above the
 # 64-key tile, one not a power of two), padded head dim 96, the largest head dim.
@@ -89,10 +90,13 @@ def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     plan = dispatch.plan_decode((8, 0) if arch == "sm_80" else (9, 0), torch.bfloat16, 128, False)
     report = _compile(plan.combine, arch)
+    # the row's split statistics loaded at once (one per lane per 32 splits of MAX_SPLITS)
+    assert report.ptx.count("ld.global.b32") >= MAX_SPLITS // 32
     # each lane's 4 columns of a piece in one load, SPLIT_UNROLL pieces per turn of the split walk
     assert report.ptx.count("ld.global.v4.b32") >= SPLIT_UNROLL
     assert report.ptx.count("shfl.sync.bfly") >= 10  # the split statistics' max and sum over the warp
-    assert "st.global.v2.b32" in report.ptx  # and its 4 bf16 columns of O in one store
+    # the warps' partial sums meet in shared memory; each thread stores one bf16 column of O
+    assert "st.shared.v4.b32" in report.ptx and "bar.sync" in report.ptx and "st.global.b16" in report.ptx
     assert "ex2.approx" in report.ptx and "lg2.approx" in report.ptx
     assert report.spill_bytes == 0
 
