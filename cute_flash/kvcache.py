@@ -38,12 +38,12 @@ _arange: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool],
-            leftpad: bool, deep: bool):
+            leftpad: bool, deep: bool, narrow: bool):
     capability = devices.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep)
+    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow)
     kept = _launchers.get(key)
     if kept is None:
-        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep)
+        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow)
         deep_plan = plan.main.config.num_stages == dispatch.DECODE_DEEP_STAGES
         kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n,
                                   1 if deep_plan else dispatch.DECODE_CTAS_PER_SM)
@@ -159,9 +159,11 @@ def flash_attn_with_kvcache(
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
         sms = devices.sm_count(device.index)
-        deep = dispatch.decode_is_deep(batch, problem.nheads, problem.nheads_kv, problem.seqlen_q, problem.head_dim)
-        launch, tile_m, tile_n, ctas_per_sm = _decode(device, q.dtype, problem.head_dim, mods.causal,
-                                                      problem.page_size, mods.flags, cache_leftpad is not None, deep)
+        shape = (batch, problem.nheads, problem.nheads_kv, problem.seqlen_q)
+        deep = dispatch.decode_is_deep(*shape, problem.head_dim)
+        narrow = dispatch.decode_is_narrow(*shape, sms)
+        launch, tile_m, tile_n, ctas_per_sm = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size,
+                                                      mods.flags, cache_leftpad is not None, deep, narrow)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
         if num_splits == 0:

@@ -85,6 +85,20 @@ def test_deep_decode_compiles_without_spills(monkeypatch, arch, head_dim, page_s
     assert dispatch.plan_decode((8, 6), torch.bfloat16, head_dim, True, page_size, deep=True).main.config.num_stages == 2
 
 
+@pytest.mark.parametrize("arch,head_dim,page_size,mods", [("sm_80", 128, 0, (False, False, False)),
+                                                         ("sm_90a", 64, 16, (True, True, True)),
+                                                         ("sm_90a", 256, 0, (False, False, False))])
+def test_narrow_decode_compiles_without_spills(monkeypatch, arch, head_dim, page_size, mods):
+    """dispatch.DECODE_NARROW_TILE (32 packed rows, 2 warps) runs the same loop spill-free."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    capability = (9, 0) if arch == "sm_90a" else (8, 0)
+    plan = dispatch.plan_decode(capability, torch.bfloat16, head_dim, False, page_size, mods, narrow=True)
+    assert (plan.tile_m, plan.main.config.num_warps) == (32, 2)
+    report = _compile(plan.main, arch)
+    assert "mma.sync.aligned.m16n8k16" in report.ptx
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
@@ -127,6 +141,12 @@ def test_page_sizes_and_split_heuristic():
     assert not dispatch.decode_is_deep(8, 8, 1, 1, 128)  # 8 tiles
     assert not dispatch.decode_is_deep(1, 32, 8, 1, 128)  # 8 tiles
     assert not dispatch.decode_is_deep(1, 8, 1, 2000, 128)  # a 2000-token chunk
+    # narrow where each (sequence, KV head) fits 32 packed rows and its tiles number 2 to SMs - 1
+    assert dispatch.decode_is_narrow(8, 32, 8, 1, 132)  # 64 tiles of 4 rows
+    assert dispatch.decode_is_narrow(8, 32, 8, 8, 132)  # 32 rows each
+    assert not dispatch.decode_is_narrow(8, 8, 1, 8, 132)  # 64 rows: two narrow tiles would read each key twice
+    assert not dispatch.decode_is_narrow(64, 32, 8, 1, 132)  # 512 tiles
+    assert not dispatch.decode_is_narrow(1, 8, 1, 1, 132)  # one tile: the deep CTA's
 
 
 def test_split_block_ranges_match_brute_force():

@@ -201,6 +201,18 @@ def test_one_row_tile_takes_the_deep_cta(mods, causal, page_size):
     check_call(1, 1, (8, 1), 128, 40000, causal, page_size=page_size, **mods)
 
 
+@pytest.mark.parametrize("page_size", [0, 256])
+@pytest.mark.parametrize("heads, seqlen_q", [((32, 8), 1), ((32, 8), 8), ((8, 1), 4)], ids=str)
+def test_few_row_tiles_take_the_narrow_tile(heads, seqlen_q, page_size):
+    """Fewer row tiles than SMs, each (sequence, KV head)'s rows in 32: dispatch.DECODE_NARROW_TILE,
+    with the split merge over many splits."""
+    from cute_flash import dispatch
+
+    assert dispatch.decode_is_narrow(5, *heads, seqlen_q, torch.cuda.get_device_properties(0).multi_processor_count)
+    check_call(5, seqlen_q, heads, 128, 20000, True, page_size=page_size)
+    check_call(5, seqlen_q, heads, 128, 3000, False, page_size=page_size, softcap=15.0, window_size=(700, 0))
+
+
 def test_fp16_head_dim_64_odd_page():
     check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
 
