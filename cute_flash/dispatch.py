@@ -22,7 +22,7 @@ import torch
 
 from . import cache
 from .device import kernel_family, sm_count, target_arch_for
-from .errors import UnsupportedDtypeError
+from .errors import UnsupportedDtypeError, UnsupportedHeadDimError
 from .validate import check_kernel_dtype
 from .tensors import (
     fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_rowstat, fake_score_mods,
@@ -148,7 +148,7 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 
     tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal, dropout, arch)
-    if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles):
+    if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles, arch=arch):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
     config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods, dropout), varlen=varlen)
     args = fake_forward_args(cdtype, head_dim, False)
@@ -255,6 +255,13 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
                 post = Plan(FlashAttnBwdPostprocessSm90, post_config, post_args, arch)
             return BackwardPlan(pre=pre, main=main, post=post, gqa=False, deterministic=deterministic)
     tiles = bwd_default_tiles(cdtype, head_dim, causal, arch, gqa, dropout)
+    if tiles is None:
+        from .kernels.sm80.config import smem_capacity
+
+        raise UnsupportedHeadDimError(
+            f"the backward at head dim {head_dim} ({dtype}) needs more shared memory per CTA than the "
+            f"{smem_capacity(arch) // 1024} KB of a {arch} GPU; there it takes head dims up to "
+            f"{192 if dtype != torch.float32 else 160}")
     dkv_dtype = cutlass.Float32 if gqa else cdtype
     main_args = _backward_main_args(cdtype, head_dim, dkv_dtype)
     entry = post_entry = None

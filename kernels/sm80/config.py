@@ -16,9 +16,10 @@ import cutlass
 from cute_flash.kernels.common.blocks import BlockRanges
 from cute_flash.kernels.common.layouts import round_up
 
-# Opt-in shared memory per CTA: the sm80 kernels' budget, and the H100's for the sm80 backward,
-# which it runs compiled for sm_90a.
+# Opt-in shared memory per CTA: the sm80 kernels' budget (A100, sm_80 / sm_87), the sm_86 / sm_89
+# GPUs' (RTX 30 / 40, A10, L4, L40), and the H100's for the sm80 kernels it runs compiled for sm_90a.
 SMEM_CAPACITY_SM80 = 163 * 1024
+SMEM_CAPACITY_SM86 = 99 * 1024
 SMEM_CAPACITY_SM90 = 227 * 1024  # the H100's larger opt-in smem
 
 
@@ -93,11 +94,18 @@ def targets_sm90(arch: str) -> bool:
 
 def smem_capacity(arch: str) -> int:
     """Opt-in shared memory per CTA on a compile target."""
-    return SMEM_CAPACITY_SM90 if targets_sm90(arch) else SMEM_CAPACITY_SM80
+    if targets_sm90(arch):
+        return SMEM_CAPACITY_SM90
+    return SMEM_CAPACITY_SM86 if arch in ("sm_86", "sm_89") else SMEM_CAPACITY_SM80
+
+
+# Smaller backward blocks, largest first, for targets whose shared memory holds no stage option of
+# the default ones (sm_86 / sm_89): (m_block_size, n_block_size).
+BWD_SMALLER_BLOCKS = ((64, 128), (64, 64), (64, 32), (32, 32))
 
 
 def bwd_default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", gqa: bool = False,
-                      dropout: bool = False) -> dict:
+                      dropout: bool = False) -> dict | None:
     """FlashAttention-2's sm80 choices: (m, n) = (128, 128) up to d = 64, (64, 128) up to 128,
     (64, 64) above; warp layouts that keep every warp's sub-tile 16-column aligned; a second
     dO buffer wherever it fits in the target's shared memory (smem_capacity) and registers.
@@ -152,14 +160,37 @@ def bwd_default_tiles(dtype, head_dim: int, causal: bool, arch: str = "sm_80", g
         tiles["m_block_size"] = min(tiles["m_block_size"], 64)
         if d in (128, 256):
             tiles.update(p_in_registers=False, n_block_size=64)
-    for stages_Q, stages_dO in stage_options:
-        tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-        if bwd_smem_bytes(dtype, head_dim, **tiles) <= smem_capacity(arch):
-            break
-    return tiles
+    return _fit_stages(dtype, head_dim, tiles, stage_options, arch)
 
 
-def _bwd_fp32_tiles(head_dim: int, arch: str) -> dict:
+def _fit_stages(dtype, head_dim: int, tiles: dict, stage_options, arch: str) -> dict | None:
+    """The first stage option whose shared memory fits the target; where none does, the largest of
+    BWD_SMALLER_BLOCKS (with warp layouts that suit it) that fits with one of them; None where
+    nothing fits (large head dims on sm_86 / sm_89). On sm_80 and sm_90 the default blocks fit."""
+    def fitting(t):
+        for stages_Q, stages_dO in stage_options:
+            t = dict(t, num_stages_Q=stages_Q, num_stages_dO=stages_dO)
+            if bwd_smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch):
+                return t
+        return None
+
+    found = fitting(tiles)
+    if found is not None:
+        return found
+    for m, n in BWD_SMALLER_BLOCKS:
+        if m * n >= tiles["m_block_size"] * tiles["n_block_size"]:
+            continue
+        for atoms in ((2, 4, 2), (4, 2, 2), (2, 4, 4), (4, 2, 4), (2, 2, 2), (4, 4, 4), (1, 4, 1), (2, 1, 2)):
+            t = dict(tiles, m_block_size=m, n_block_size=n, atom_m_sdp=atoms[0], atom_n_dkv=atoms[1],
+                     atom_m_dq=atoms[2], num_stages_Q=1, num_stages_dO=1)
+            if _warp_layouts_suit(dtype, round_up(head_dim, 32), t):
+                found = fitting(t)
+                if found is not None:
+                    return found
+    return None
+
+
+def _bwd_fp32_tiles(head_dim: int, arch: str) -> dict | None:
     """fp32 operands take twice the smem of 16-bit ones: 64 x 64 blocks up to d = 128 (160 KB
     with one Q and one dO buffer there), 32 x 32 above (64 x 32 on the H100's 227 KB); warp
     layouts whose sub-tiles are whole m16 x n8 TF32 atoms."""
@@ -171,11 +202,7 @@ def _bwd_fp32_tiles(head_dim: int, arch: str) -> dict:
     else:
         tiles = dict(m_block_size=32, n_block_size=32, atom_m_sdp=2, atom_n_dkv=2, atom_m_dq=2)
     tiles.update(p_in_registers=True, dq_chunks=1)
-    for stages_Q, stages_dO in ((2, 2), (2, 1), (1, 1)):
-        tiles.update(num_stages_Q=stages_Q, num_stages_dO=stages_dO)
-        if bwd_smem_bytes(cutlass.Float32, head_dim, **tiles) <= smem_capacity(arch):
-            break
-    return tiles
+    return _fit_stages(cutlass.Float32, head_dim, tiles, ((2, 2), (2, 1), (1, 1)), arch)
 
 
 def bwd_smem_bytes(dtype, head_dim, m_block_size, n_block_size, num_stages_Q, num_stages_dO, **_) -> int:
@@ -194,10 +221,17 @@ def bwd_can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", *
     if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32) or head_dim % 8 != 0 or head_dim > 256:
         return False
     t = tiles or bwd_default_tiles(dtype, head_dim, causal, arch)
+    if t is None:
+        return False
     d = round_up(head_dim, 32)
+    return _warp_layouts_suit(dtype, d, t) and bwd_smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
+
+
+def _warp_layouts_suit(dtype, d: int, t: dict) -> bool:
+    """Each GEMM's warp layout tiles its block in whole MMA atoms (padded head dim d)."""
     warps = BWD_NUM_THREADS // 32
     n_unit = 8 if dtype is cutlass.Float32 else 16  # N extent of one warp's atom (tiled_mma_sm80)
-    ok_tiles = (
+    return (
         t["m_block_size"] % (16 * t["atom_m_sdp"]) == 0
         and t["n_block_size"] % (n_unit * warps // t["atom_m_sdp"]) == 0
         and t["n_block_size"] % (16 * t["atom_n_dkv"]) == 0
@@ -206,7 +240,6 @@ def bwd_can_implement(dtype, head_dim: int, causal: bool, arch: str = "sm_80", *
         and d % t.get("dq_chunks", 1) == 0
         and d // t.get("dq_chunks", 1) % (n_unit * warps // t["atom_m_dq"]) == 0
     )
-    return ok_tiles and bwd_smem_bytes(dtype, head_dim, **t) <= smem_capacity(arch)
 
 
 @dataclass(frozen=True)

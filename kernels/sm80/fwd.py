@@ -54,7 +54,7 @@ from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softc
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
-from .config import SMEM_CAPACITY_SM80, Sm80FwdConfig, targets_sm90
+from .config import Sm80FwdConfig, smem_capacity, targets_sm90
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
@@ -147,7 +147,7 @@ class FlashAttnFwdSm80:
 
     @staticmethod
     def can_implement(dtype, head_dim, causal, tile_m=128, tile_n=64, num_warps=4,
-                      num_stages=2) -> bool:
+                      num_stages=2, arch: str = "sm_80") -> bool:
         if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32):
             return False
         if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
@@ -155,15 +155,28 @@ class FlashAttnFwdSm80:
         if num_stages < 1 or tile_n % 16 != 0 or tile_m % (16 * num_warps) != 0:
             return False
         smem = FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype)
-        return smem <= SMEM_CAPACITY_SM80
+        return smem <= smem_capacity(arch)
 
     @staticmethod
     def default_tiles(dtype, head_dim, causal, dropout: bool = False, arch: str = "sm_80") -> dict:
+        tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, dropout, arch)
+        # sm_86 / sm_89 hold 99 KB per CTA: fewer keys per block (then one K/V stage) until it fits
+        while FlashAttnFwdSm80.smem_bytes(head_dim, **tiles, dtype=dtype) > smem_capacity(arch):
+            if tiles["tile_n"] > 16:
+                tiles["tile_n"] //= 2
+            elif tiles["num_stages"] > 1:
+                tiles["num_stages"] = 1
+            else:
+                break
+        return tiles
+
+    @staticmethod
+    def _tiles(dtype, head_dim, causal, dropout: bool, arch: str) -> dict:
         if dropout:
             # The Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
             # the key tile of the sm_80 tiles (on every target); a quarter at d <= 32, where ptxas
             # aims at 168 registers (the causal kernel spilled 40 bytes with half).
-            tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
+            tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, False, "sm_80")
             return dict(tiles, tile_n=tiles["tile_n"] // (4 if head_dim <= 32 else 2))
         if dtype is cutlass.Float32:
             return FlashAttnFwdSm80._fp32_tiles(head_dim, arch)

@@ -9,6 +9,7 @@ import cutlass
 
 import torch
 
+import cute_flash
 from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
 from cute_flash.device import capability_of
@@ -124,6 +125,32 @@ def test_tiles_fit_and_cover_every_head_dim():
                 assert bwd_smem_bytes(BF16, head_dim, **tiles) <= smem_capacity(arch)
     assert not bwd_can_implement(BF16, 260, False)
     assert not bwd_can_implement(BF16, 44, False)
+    # sm_86 / sm_89 (99 KB per CTA): smaller blocks or fewer buffers up to head dim 192 (160 in
+    # fp32), a typed error above; sm_80 and sm_90 keep their tiles
+    for arch in ("sm_86", "sm_89"):
+        for dtype, largest in ((BF16, 192), (FP16, 192), (cutlass.Float32, 160)):
+            for head_dim in range(8, 257, 8):
+                for causal in (False, True):
+                    tiles = bwd_default_tiles(dtype, head_dim, causal, arch)
+                    assert (tiles is not None) == (head_dim <= largest), (arch, dtype, head_dim)
+                    assert tiles is None or bwd_can_implement(dtype, head_dim, causal, arch, **tiles)
+    with pytest.raises(cute_flash.UnsupportedHeadDimError, match="up to 192"):
+        dispatch.plan_backward((8, 6), torch.bfloat16, 256, False)
+
+
+# sm_86 / sm_89's tiles, 16-bit: 128 x 128 with one buffer each, 64 x 128, 64 x 64, 64 x 32
+SM86_VARIANTS = [(BF16, 32, False), (BF16, 64, True), (FP16, 128, False), (BF16, 160, True), (BF16, 192, False)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal", SM86_VARIANTS, ids=str)
+def test_sm86_backward_tiles_compile_without_spills(dtype, head_dim, causal, capsys, monkeypatch):
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_86")
+    plan = backward_plan(dtype, head_dim, causal, arch="sm_86").main
+    settings = {k: v for k, v in plan.settings().items() if k not in ("dtype", "head_dim")}
+    assert bwd_smem_bytes(dtype, head_dim, **settings) <= 99 * 1024
+    with capsys.disabled():
+        report = compile_report(*plan.build(), arch="sm_86")
+    assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
 
 
 # fp32 (split TF32): every tile class of config._bwd_fp32_tiles for both targets, an odd

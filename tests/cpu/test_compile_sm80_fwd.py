@@ -81,11 +81,31 @@ def test_sm80_fwd_fp32_sm90a_tiles_compile_without_spills(head_dim, causal, monk
 
 
 def test_default_tiles_fit_every_head_dim():
-    for dtype in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
-        for head_dim in range(8, 257, 8):
-            for causal in (False, True):
-                tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal)
-                assert FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, **tiles)
+    for arch in ("sm_80", "sm_86", "sm_89"):
+        for dtype in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
+            for head_dim in range(8, 257, 8):
+                for causal in (False, True):
+                    tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal, arch=arch)
+                    assert FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, **tiles, arch=arch)
+    # sm_86 / sm_89 hold 99 KB per CTA: fewer keys per block there, the sm_80 tiles elsewhere
+    assert FlashAttnFwdSm80.default_tiles(cutlass.BFloat16, 256, True, arch="sm_86")["tile_n"] == 32
+    assert FlashAttnFwdSm80.default_tiles(cutlass.BFloat16, 256, True)["tile_n"] == 64
+    assert FlashAttnFwdSm80.default_tiles(cutlass.BFloat16, 64, True, arch="sm_89") == \
+        FlashAttnFwdSm80.default_tiles(cutlass.BFloat16, 64, True)
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal", [(cutlass.BFloat16, 256, True), (cutlass.Float16, 192, False),
+                                                   (cutlass.Float32, 128, False), (cutlass.Float32, 256, True)],
+                         ids=str)
+def test_sm86_fwd_tiles_compile_without_spills(dtype, head_dim, causal, monkeypatch):
+    """RTX 30 / 40, A10, L4, L40 (sm_86 / sm_89): the forward's tiles fit their 99 KB per CTA."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_86")
+    tiles = FlashAttnFwdSm80.default_tiles(dtype, head_dim, causal, arch="sm_86")
+    assert FlashAttnFwdSm80.smem_bytes(head_dim, **tiles, dtype=dtype) <= 99 * 1024
+    kernel = FlashAttnFwdSm80(Sm80FwdConfig(dtype, head_dim, causal, **tiles))
+    args = [fake_bshd(dtype, head_dim) for _ in range(4)] + [fake_rowstat(), cutlass.Float32(1.0), fake_stream()]
+    report = compile_report(kernel, args, arch="sm_86")
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
 def _cdiv(a, b):
