@@ -23,7 +23,7 @@ import torch
 from . import cache
 from .device import kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError, UnsupportedHeadDimError
-from .validate import check_kernel_dtype
+from .validate import MAX_SPLITS, check_kernel_dtype
 from .tensors import (
     fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_rowstat, fake_score_mods,
     fake_semaphore, fake_stream, fake_tail_split_workspace,
@@ -328,7 +328,6 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
-    from .validate import MAX_SPLITS
 
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
@@ -380,10 +379,15 @@ def decode_is_deep(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_
     head, its query rows in one tile), only the splits spread it over the GPU, and each CTA's
     pipeline fill is what it waits on. With more row tiles the 2-stage CTAs, two per SM, won
     (DECODE_DEEP_STAGES)."""
+    return batch * nheads_kv * -(-seqlen_q * (nheads // nheads_kv) // _decode_tile_rows(head_dim)) == 1
+
+
+@lru_cache(maxsize=None)
+def _decode_tile_rows(head_dim: int) -> int:
+    """The decode kernel's default packed rows per tile (once per head dim: calls ask per step)."""
     from .kernels.sm80.decode import FlashDecodeSm80
 
-    tile_m = FlashDecodeSm80.default_tiles(head_dim)["tile_m"]
-    return batch * nheads_kv * -(-seqlen_q * (nheads // nheads_kv) // tile_m) == 1
+    return FlashDecodeSm80.default_tiles(head_dim)["tile_m"]
 
 DECODE_NARROW_TILE = dict(tile_m=32, num_warps=2)
 """The decode CTA's rows and warps where a tile of 64 rows (4 warps) would be mostly padding: each
@@ -409,6 +413,7 @@ DECODE_SPLIT_COST_BLOCKS = 1
 """What a CTA costs beyond its key blocks (loading Q, writing its piece), in key-block reads."""
 
 
+@lru_cache(maxsize=4096)
 def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile_n: int, num_sms: int,
                   ctas_per_sm: int = DECODE_CTAS_PER_SM) -> int:
     """num_splits=0: how many splits along the keys a decode call takes. One CTA per (packed row
@@ -418,14 +423,11 @@ def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile
     split count reaching a wave) would run a second wave for 56 CTAs. Splits keep at least
     DECODE_MIN_SPLIT_BLOCKS key blocks and number at most validate.MAX_SPLITS. `max_keys` is the
     longest sequence the call may see (host-known: the cache's capacity, or the given length)."""
-    from .validate import MAX_SPLITS
-
     blocks = -(-max_keys // tile_n)
     most = max(1, min(blocks // DECODE_MIN_SPLIT_BLOCKS, MAX_SPLITS))
     return _fastest_split(batch * nheads_kv * m_blocks, blocks, ctas_per_sm * num_sms, most)
 
 
-@lru_cache(maxsize=1024)
 def _fastest_split(ctas: int, blocks: int, wave: int, most: int) -> int:
     def time(splits: int) -> int:
         return -(-ctas * splits // wave) * (-(-blocks // splits) + DECODE_SPLIT_COST_BLOCKS)
