@@ -331,7 +331,7 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
 
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
-    tiles = FlashDecodeSm80.default_tiles(head_dim)
+    tiles = FlashDecodeSm80.default_tiles(head_dim, fp32=cdtype is cutlass.Float32)
     if deep and capability in DECODE_DEEP_CAPABILITIES and FlashDecodeSm80.can_implement(
             cdtype, head_dim, causal, page_size, **dict(tiles, num_stages=DECODE_DEEP_STAGES)):
         tiles["num_stages"] = DECODE_DEEP_STAGES

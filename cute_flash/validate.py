@@ -421,9 +421,6 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cac
     _require_rank4("v_cache", v_cache, cache_axes)
     _require_dtype(k_cache, v_cache, q.dtype)
     check_kernel_dtype(q.dtype)
-    if q.dtype == torch.float32:  # split TF32 lives in the training kernels only
-        raise UnsupportedDtypeError("flash_attn_with_kvcache takes torch.float16 or torch.bfloat16 (the decode "
-                                    "kernel is 16-bit), got torch.float32")
     batch, seqlen_q, nheads, head_dim = q.shape
     if k_cache.shape != v_cache.shape:
         raise DimensionMismatchError(

@@ -41,6 +41,7 @@ from ..common.blocks import split_block_range
 from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
 from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
+from ..common.tf32 import acc_as_frgA, gemm_split_tf32
 from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
 from .fwd import FlashAttnFwdSm80, gemm_sm80
 
@@ -56,6 +57,9 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     def __init__(self, config: Sm80DecodeConfig):
         self.cfg = config
         self.dtype = config.dtype
+        # fp32 caches: split TF32 products (kernels/common/tf32.py) read from smem through the MMA's
+        # own partitions, as in the forward
+        self.fp32 = config.dtype is cutlass.Float32
         self.head_dim = config.head_dim
         self.tile_hdim = config.head_dim if config.head_dim % 64 == 0 else (config.head_dim + 31) // 32 * 32
         self.check_hdim = self.tile_hdim != config.head_dim
@@ -67,9 +71,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         self.num_stages = config.num_stages
 
     @staticmethod
-    def default_tiles(head_dim: int) -> dict:
+    def default_tiles(head_dim: int, fp32: bool = False) -> dict:
         # 4 warps of 16 packed rows: a group of up to 64 query rows shares each K/V read. The
-        # key tile halves past head dim 128 so acc_O + acc_S stay in registers.
+        # key tile halves past head dim 128 so acc_O + acc_S stay in registers; fp32 halves it
+        # past 64 and again past 128 (twice the bytes per key, and split TF32's hi / lo fragments).
+        if fp32:
+            return dict(tile_m=64, tile_n=64 if head_dim <= 64 else 32 if head_dim <= 128 else 16, num_warps=4,
+                        num_stages=2)
         return dict(tile_m=64, tile_n=64 if head_dim <= 128 else 32, num_warps=4, num_stages=2)
 
     @staticmethod
@@ -80,7 +88,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         if num_stages < 2:  # the loop issues V[n - 1] and K[n - 2] ahead
             return False
         return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, num_warps, num_stages) and (
-            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages) <= SMEM_CAPACITY_SM80)
+            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype) <= SMEM_CAPACITY_SM80)
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -235,17 +243,24 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         tKVpKV = self._predicate_hdim(tKsK, tKVcKV)
 
         thr_mma = tiled_mma.get_slice(tidx)
-        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32)
         acc_O.fill(0.0)
-
-        ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
-        ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
-        smem_thr_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
-        smem_thr_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
-        smem_thr_copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype), tiled_mma).get_slice(tidx)
+        if cutlass.const_expr(self.fp32):
+            tSrQ = tSrK = tOrVt = None
+            smem_thr_copy_Q = smem_thr_copy_K = smem_thr_copy_V = None
+            tSsQ, tSsK, tOsVt = thr_mma.partition_A(sQ), thr_mma.partition_B(sK), thr_mma.partition_B(sVt)
+        else:
+            tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+            tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+            ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+            ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+            smem_thr_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+            smem_thr_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+            smem_thr_copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype),
+                                                     tiled_mma).get_slice(tidx)
+            tSsQ = smem_thr_copy_Q.partition_S(sQ)
+            tSsK, tOsVt = smem_thr_copy_K.partition_S(sK), smem_thr_copy_V.partition_S(sVt)
 
         # ---- prologue: Q's packed rows, then K/V of the first blocks ----
         for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
@@ -289,8 +304,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         step = partial(
             self._step, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group, mods=mods,
             thr_mma=thr_mma, tiled_mma=tiled_mma, softmax=softmax, acc_O=acc_O,
-            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=smem_thr_copy_Q.partition_S(sQ),
-            tSsK=smem_thr_copy_K.partition_S(sK), tOsVt=smem_thr_copy_V.partition_S(sVt),
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
             smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V,
             load_kv=load_kv, mK=mK, mV=mV, tKsK=tKsK, tVsV=tVsV,
         )
@@ -404,19 +418,28 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         cute.arch.barrier()  # K[n_block] landed; every warp done with the V stage written next
         load_kv(mV, tVsV, n_block - (self.num_stages - 1), smem_write)
         cute.arch.cp_async_commit_group()
-        gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
-                  tSsQ, smem_thr_copy_Q)
+        if cutlass.const_expr(self.fp32):
+            gemm_split_tf32(tiled_mma, acc_S, tSsK[None, None, None, smem_read], tCsA=tSsQ)
+        else:
+            gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
+                      tSsQ, smem_thr_copy_Q)
         self._mask(acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group, mods)
         row_scale = softmax.online_softmax(acc_S, is_first=False, check_inf=True)
         softmax.rescale_O_if_needed(acc_O, row_scale)
-        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-        rP.store(acc_S.load().to(self.dtype))
+        if cutlass.const_expr(self.fp32):
+            tOrP = acc_as_frgA(acc_S)  # P stays fp32, split per k step of P V
+        else:
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            rP.store(acc_S.load().to(self.dtype))
+            tOrP = reshape_acc_to_frgA(rP)
         cute.arch.cp_async_wait_group(wait_groups)
         cute.arch.barrier()  # V[n_block] landed; every warp done with K[smem_read]
         load_kv(mK, tKsK, n_block - self.num_stages, self._advance(smem_write))
         cute.arch.cp_async_commit_group()
-        gemm_sm80(tiled_mma, acc_O, reshape_acc_to_frgA(rP), tOrVt, tOsVt[None, None, None, smem_read],
-                  smem_thr_copy_V)
+        if cutlass.const_expr(self.fp32):
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt[None, None, None, smem_read], tCrA=tOrP)
+        else:
+            gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, smem_read], smem_thr_copy_V)
 
     @cute.jit
     def _store_O_LSE(self, acc_O, lse, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma, tidx, batch, rows):

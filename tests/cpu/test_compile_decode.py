@@ -100,6 +100,27 @@ def test_narrow_decode_compiles_without_spills(monkeypatch, arch, head_dim, page
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+@pytest.mark.parametrize("head_dim,page_size,mods,shape", [(128, 0, (False, False, False), "default"),
+                                                           (64, 16, (True, True, True), "default"),
+                                                           (256, 0, (False, False, False), "default"),
+                                                           (96, 48, (False, False, False), "narrow"),
+                                                           (128, 256, (False, False, False), "deep")])
+def test_fp32_decode_compiles_without_spills(monkeypatch, arch, head_dim, page_size, mods, shape):
+    """fp32 caches: split TF32 (three m16n8k8 TF32 products per pair, operands read through the
+    MMA's partitions, no ldmatrix), fp32 tiles (FlashDecodeSm80.default_tiles), spill-free."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    capability = (9, 0) if arch == "sm_90a" else (8, 0)
+    plan = dispatch.plan_decode(capability, torch.float32, head_dim, True, page_size, mods,
+                                deep=shape == "deep", narrow=shape == "narrow")
+    assert plan.main.config.num_stages == (dispatch.DECODE_DEEP_STAGES if shape == "deep" else 2)
+    report = _compile(plan.main, arch)
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in report.ptx
+    assert "ldmatrix" not in report.ptx
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+    assert _compile(plan.combine, arch).spill_bytes == 0
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     plan = dispatch.plan_decode((8, 0) if arch == "sm_80" else (9, 0), torch.bfloat16, 128, False)

@@ -213,6 +213,23 @@ def test_few_row_tiles_take_the_narrow_tile(heads, seqlen_q, page_size):
     check_call(5, seqlen_q, heads, 128, 3000, False, page_size=page_size, softcap=15.0, window_size=(700, 0))
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("heads, seqlen_q", [((32, 8), 1), ((8, 1), 16), ((4, 4), 4)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp32_cache(heads, seqlen_q, causal, page_size):
+    """fp32 q and cache (split TF32) against the float64 reference, the yardstick's fp32 bound."""
+    check_call(3, seqlen_q, heads, 128, 900, causal, dtype=torch.float32, page_size=page_size)
+
+
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_fp32_cache_with_modifications_and_long_splits(head_dim):
+    """fp32 with window / softcap / ALiBi, and a batch-1 one-KV-head call on a long cache (the deep
+    CTA, 128 splits merged in fp32)."""
+    check_call(2, 2, (8, 2), head_dim, 700, True, dtype=torch.float32, window_size=(200, 0), softcap=20.0,
+               alibi_slopes=_slopes(2, 8, False))
+    check_call(1, 1, (8, 1), head_dim, 40000, False, dtype=torch.float32)
+
+
 def test_fp16_head_dim_64_odd_page():
     check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
 
