@@ -243,24 +243,22 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         tKVpKV = self._predicate_hdim(tKsK, tKVcKV)
 
         thr_mma = tiled_mma.get_slice(tidx)
-        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32)
-        acc_O.fill(0.0)
-        if cutlass.const_expr(self.fp32):
-            tSrQ = tSrK = tOrVt = None
-            smem_thr_copy_Q = smem_thr_copy_K = smem_thr_copy_V = None
-            tSsQ, tSsK, tOsVt = thr_mma.partition_A(sQ), thr_mma.partition_B(sK), thr_mma.partition_B(sVt)
-        else:
+        tSrQ = tSrK = tOrVt = None  # fp32: split TF32 reads its operands through the MMA's partitions
+        if cutlass.const_expr(not self.fp32):
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
             tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
             tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32)
+        acc_O.fill(0.0)
+
+        smem_thr_copy_Q = smem_thr_copy_K = smem_thr_copy_V = None
+        if cutlass.const_expr(not self.fp32):
             ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
             ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
             smem_thr_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
             smem_thr_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
             smem_thr_copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype),
                                                      tiled_mma).get_slice(tidx)
-            tSsQ = smem_thr_copy_Q.partition_S(sQ)
-            tSsK, tOsVt = smem_thr_copy_K.partition_S(sK), smem_thr_copy_V.partition_S(sVt)
 
         # ---- prologue: Q's packed rows, then K/V of the first blocks ----
         for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
@@ -304,7 +302,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         step = partial(
             self._step, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group, mods=mods,
             thr_mma=thr_mma, tiled_mma=tiled_mma, softmax=softmax, acc_O=acc_O,
-            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, tSsQ=tSsQ, tSsK=tSsK, tOsVt=tOsVt,
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, **self._smem_operands(thr_mma, sQ, sK, sVt, smem_thr_copy_Q,
+                                                                     smem_thr_copy_K, smem_thr_copy_V),
             smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V,
             load_kv=load_kv, mK=mK, mV=mV, tKsK=tKsK, tVsV=tVsV,
         )
@@ -325,6 +324,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                               tidx, batch, rows)
         else:
             self._store_piece(acc_O, softmax.row_sum, mOpart, mLSEpart, thr_mma, split * mQ.shape[0] + batch, rows)
+
+    def _smem_operands(self, thr_mma, sQ, sK, sVt, smem_thr_copy_Q, smem_thr_copy_K, smem_thr_copy_V) -> dict:
+        """The GEMMs' smem views: ldmatrix partitions, or for fp32 the MMA's own (32-bit loads)."""
+        if cutlass.const_expr(self.fp32):
+            return dict(tSsQ=thr_mma.partition_A(sQ), tSsK=thr_mma.partition_B(sK), tOsVt=thr_mma.partition_B(sVt))
+        return dict(tSsQ=smem_thr_copy_Q.partition_S(sQ), tSsK=smem_thr_copy_K.partition_S(sK),
+                    tOsVt=smem_thr_copy_V.partition_S(sVt))
 
     def _row_tile(self, row: cute.Tensor, num_rows: int) -> cute.Tensor:
         """One gmem row seen as a (num_rows, tile_hdim) tile whose every row is that row: the tiled
