@@ -213,6 +213,21 @@ def test_few_row_tiles_take_the_narrow_tile(heads, seqlen_q, page_size):
     check_call(5, seqlen_q, heads, 128, 3000, False, page_size=page_size, softcap=15.0, window_size=(700, 0))
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("heads, seqlen_q, head_dim", [((8, 1), 1, 128), ((8, 2), 4, 64), ((16, 4), 1, 128)], ids=str)
+def test_many_row_tiles_take_warps_along_keys(heads, seqlen_q, head_dim, page_size):
+    """Row tiles that fill the SMs, each (sequence, KV head)'s rows in 16: dispatch.DECODE_KEYS_TILE
+    (each warp its slice of the keys, the warps' states merged in shared memory)."""
+    from cute_flash import dispatch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-sms // heads[1])
+    assert dispatch.decode_warps_along_keys(batch, *heads, seqlen_q, head_dim, sms)
+    check_call(batch, seqlen_q, heads, head_dim, 700, True, page_size=page_size)
+    check_call(batch, seqlen_q, heads, head_dim, 500, False, page_size=page_size, softcap=15.0, window_size=(90, 0),
+               alibi_slopes=_slopes(batch, heads[0], True))
+
+
 def test_fp16_head_dim_64_odd_page():
     check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
 
