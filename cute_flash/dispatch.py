@@ -318,13 +318,14 @@ class DecodePlan:
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                 page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS, leftpad: bool = False,
-                deep: bool = False, narrow: bool = False) -> DecodePlan:
+                deep: bool = False, narrow: bool = False, warps_along_keys: bool = False) -> DecodePlan:
     """The decode kernels (kernels/sm80/decode.py, decode_combine.py): one family for every GPU
     from sm_80 on, since decoding is bound by memory bandwidth, which mma.sync and cp.async reach on
     Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size. `mods`
     (window, softcap, ALiBi) go to the main kernel's `call_with_mods`; `leftpad`: cache_leftpad given;
     `deep` (`decode_is_deep`): DECODE_DEEP_STAGES K/V buffers where they fit, one CTA per SM;
-    `narrow` (`decode_is_narrow`): DECODE_NARROW_TILE's rows and warps."""
+    `narrow` (`decode_is_narrow`): DECODE_NARROW_TILE's rows and warps; `warps_along_keys`
+    (`decode_warps_along_keys`): DECODE_KEYS_TILE, 16 rows with the warps side by side along the keys."""
     from .kernels.sm80.config import Sm80DecodeCombineConfig, Sm80DecodeConfig
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
@@ -337,6 +338,9 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
         tiles["num_stages"] = DECODE_DEEP_STAGES
     if narrow and FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size, **dict(tiles, **DECODE_NARROW_TILE)):
         tiles.update(DECODE_NARROW_TILE)
+    if warps_along_keys and FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size,
+                                                          **dict(tiles, **DECODE_KEYS_TILE)):
+        tiles.update(DECODE_KEYS_TILE)
     if not FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size, **tiles):
         raise UnsupportedDtypeError(
             f"no decode kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}, page size {page_size}")
@@ -404,6 +408,22 @@ def decode_is_narrow(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, num
     than one (one is decode_is_deep's) and fewer than the SMs."""
     rows = seqlen_q * (nheads // nheads_kv)
     return rows <= DECODE_NARROW_TILE["tile_m"] and 1 < batch * nheads_kv < num_sms
+
+
+DECODE_KEYS_TILE = dict(tile_m=16, num_warps=4, warps_along_keys=True)
+"""16 packed rows per CTA, its 4 warps side by side along the keys (each a 16-key slice of every
+block, its own softmax state, merged in shared memory after the loop): a quarter of a 64-row
+tile's MMAs for the same reads, with 4 warps still issuing them."""
+
+
+def decode_warps_along_keys(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_dim: int,
+                            num_sms: int) -> bool:
+    """Whether a decode call takes DECODE_KEYS_TILE: each (sequence, KV head)'s packed rows fit 16
+    (one token of a group up to 16, or a few of a smaller one) and its row tiles fill the SMs
+    without splits (fewer take DECODE_NARROW_TILE or the deep CTA); head dims 64 and 128 (the merge's
+    scratch fits sK's stages)."""
+    rows = seqlen_q * (nheads // nheads_kv)
+    return rows <= DECODE_KEYS_TILE["tile_m"] and head_dim in (64, 128) and batch * nheads_kv >= num_sms
 
 
 DECODE_MIN_SPLIT_BLOCKS = 4

@@ -38,12 +38,13 @@ _arange: dict[tuple[int, int], torch.Tensor] = {}
 
 
 def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool],
-            leftpad: bool, deep: bool, narrow: bool):
+            leftpad: bool, deep: bool, narrow: bool, warps_along_keys: bool):
     capability = devices.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow)
+    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow, warps_along_keys)
     kept = _launchers.get(key)
     if kept is None:
-        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow)
+        plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow,
+                                    warps_along_keys)
         deep_plan = plan.main.config.num_stages == dispatch.DECODE_DEEP_STAGES
         kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n,
                                   1 if deep_plan else dispatch.DECODE_CTAS_PER_SM)
@@ -162,8 +163,9 @@ def flash_attn_with_kvcache(
         shape = (batch, problem.nheads, problem.nheads_kv, problem.seqlen_q)
         deep = dispatch.decode_is_deep(*shape, problem.head_dim)
         narrow = dispatch.decode_is_narrow(*shape, sms)
+        along_keys = dispatch.decode_warps_along_keys(*shape, problem.head_dim, sms)
         launch, tile_m, tile_n, ctas_per_sm = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size,
-                                                      mods.flags, cache_leftpad is not None, deep, narrow)
+                                                      mods.flags, cache_leftpad is not None, deep, narrow, along_keys)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
         if num_splits == 0:

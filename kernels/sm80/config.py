@@ -278,8 +278,11 @@ class Sm80DecodeConfig:
     page_size: int = 0  # keys per cache page; 0: a contiguous cache (batch, max_len, kv heads, hd)
     tile_m: int = 64  # packed query rows (query position x query head of the group) per CTA
     tile_n: int = 64  # keys per K/V block
-    num_warps: int = 4  # stacked along M
+    num_warps: int = 4  # stacked along M, or side by side along the keys (warps_along_keys)
     num_stages: int = 2  # K/V buffers
+    # each warp takes tile_n / num_warps keys of every block for all tile_m (16) rows, with its own
+    # softmax state; the warps' states merge in shared memory at the end
+    warps_along_keys: bool = False
     window: bool = False  # score modifications, as Sm80FwdConfig's (values at call time: call_with_mods)
     softcap: bool = False
     alibi: bool = False

@@ -23,11 +23,16 @@ diagonal. Softcap and ALiBi (`call_with_mods`) come before the masks, as in the 
 ALiBi slope is its own query head's.
 
 The main loop is the sm80 forward's (kernels/sm80/fwd.py): K and V in separate cp.async groups,
-one ahead, S = Q K^T and O += P V with ldmatrix + mma.sync, online softmax in registers.
+one ahead, S = Q K^T and O += P V with ldmatrix + mma.sync, online softmax in registers. The
+warps stack their 16-row MMA atoms along the packed rows, or (config.warps_along_keys, a 16-row
+tile) each warp takes its own slice of every key block for all 16 rows: the tile's MMAs then cover
+16 rows instead of 64 (a 4-head group at one token fills 4), and the warps' softmax states
+(normalized O, LSE per row) merge in shared memory after the loop, as the splits merge.
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import cuda.bindings.driver as cuda
@@ -43,7 +48,7 @@ from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32
 from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
-from .fwd import FlashAttnFwdSm80, gemm_sm80
+from .fwd import FlashAttnFwdSm80, gemm_sm80, tiled_mma_sm80
 
 PAGE_MULTIPLE = 16
 """Supported page sizes are multiples of this (any multiple: rows are gathered one by one)."""
@@ -69,6 +74,9 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         self.num_warps = config.num_warps
         self.num_threads = config.num_warps * 32
         self.num_stages = config.num_stages
+        self.warps_along_keys = config.warps_along_keys
+        # the keys of a block one warp's MMAs cover
+        self.warp_keys = config.tile_n // config.num_warps if config.warps_along_keys else config.tile_n
 
     @staticmethod
     def default_tiles(head_dim: int, fp32: bool = False) -> dict:
@@ -82,12 +90,21 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
 
     @staticmethod
     def can_implement(dtype, head_dim, causal, page_size=0, tile_m=64, tile_n=64, num_warps=4,
-                      num_stages=2) -> bool:
+                      num_stages=2, warps_along_keys=False) -> bool:
         if page_size < 0 or page_size % PAGE_MULTIPLE:
             return False
         if num_stages < 2:  # the loop issues V[n - 1] and K[n - 2] ahead
             return False
-        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, num_warps, num_stages) and (
+        mma_warps = num_warps
+        if warps_along_keys:
+            # one 16-row atom per warp, 16-key slices read by ldmatrix (16-bit); the merge's fp32
+            # scratch (num_warps x 16 rows x head dim) fits in sK's stages, and the Q copy's 16-byte
+            # rows cover the 16-row tile
+            if (dtype is cutlass.Float32 or tile_m != 16 or tile_n != 16 * num_warps or head_dim % 64
+                    or num_warps * 16 * 4 > tile_n * 2 * num_stages):
+                return False
+            mma_warps = 1
+        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, mma_warps, num_stages) and (
             FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype) <= SMEM_CAPACITY_SM80)
 
     # ------------------------------------------------------------------------------------------
@@ -150,12 +167,16 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                                    == mO.element_type == self.dtype)):
             raise TypeError("q, k_cache, v_cache, out must all have the kernel's dtype")
         sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma = self._setup()
+        if cutlass.const_expr(self.warps_along_keys):
+            tiled_mma = tiled_mma_sm80(self.dtype, 32, 1)  # each warp its own 16-row atom
+        merge_lse = self.num_warps * self.tile_m if self.warps_along_keys else 1
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sMergeLSE: cute.struct.Align[cute.struct.MemRange[Float32, merge_lse], 16]  # warps_along_keys
         packed_rows = mQ.shape[1] * (mQ.shape[2] // mK.shape[2])
         grid = (cute.ceil_div(packed_rows, self.tile_m), num_splits, mQ.shape[0] * mK.shape[2])
         # with softcap, flash-attn 2's parametrization: scores tanh(s * scale / softcap), softmax at scale softcap
@@ -230,6 +251,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         sK = storage.sK.get_tensor(sKV_layout)
         sV = storage.sV.get_tensor(sKV_layout)
         sVt = transpose_view(sV)
+        # the MMAs' thread and smem slices: the CTA's (warps along M), or the warp's own keys
+        warp_idx, mma_tidx, warp_key0 = tidx // 32, tidx, 0
+        sK_mma, sVt_mma = sK, sVt
+        if cutlass.const_expr(self.warps_along_keys):
+            mma_tidx, warp_key0 = tidx % 32, warp_idx * self.warp_keys
+            sK_mma = cute.local_tile(sK, (self.warp_keys, self.tile_hdim, self.num_stages), (warp_idx, 0, 0))
+            sVt_mma = cute.local_tile(sVt, (self.tile_hdim, self.warp_keys, self.num_stages), (0, warp_idx, 0))
 
         blk_q = (self.tile_m, self.tile_hdim)
         blk_kv = (self.tile_n, self.tile_hdim)
@@ -242,12 +270,12 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         tQpQ = self._predicate_hdim(tQsQ, tQcQ)
         tKVpKV = self._predicate_hdim(tKsK, tKVcKV)
 
-        thr_mma = tiled_mma.get_slice(tidx)
+        thr_mma = tiled_mma.get_slice(mma_tidx)
         tSrQ = tSrK = tOrVt = None  # fp32: split TF32 reads its operands through the MMA's partitions
         if cutlass.const_expr(not self.fp32):
             tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
-            tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
+            tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK_mma[None, None, 0]))
+            tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt_mma[None, None, 0]))
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_hdim)), Float32)
         acc_O.fill(0.0)
 
@@ -255,10 +283,12 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         if cutlass.const_expr(not self.fp32):
             ldsm = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
             ldsm_t = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
-            smem_thr_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
-            smem_thr_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype), tiled_mma).get_slice(tidx)
+            smem_thr_copy_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ldsm, self.dtype),
+                                                     tiled_mma).get_slice(mma_tidx)
+            smem_thr_copy_K = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm, self.dtype),
+                                                     tiled_mma).get_slice(mma_tidx)
             smem_thr_copy_V = cute.make_tiled_copy_B(cute.make_copy_atom(ldsm_t, self.dtype),
-                                                     tiled_mma).get_slice(tidx)
+                                                     tiled_mma).get_slice(mma_tidx)
 
         # ---- prologue: Q's packed rows, then K/V of the first blocks ----
         for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
@@ -300,9 +330,10 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                                           head_kv)
         mods = (window, softcap_pre, row_slopes)
         step = partial(
-            self._step, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group, mods=mods,
+            self._step, m_block=m_block, warp_key0=warp_key0, seqlen_q=seqlen_q, seqlen_k=seqlen_k, group=group,
+            mods=mods,
             thr_mma=thr_mma, tiled_mma=tiled_mma, softmax=softmax, acc_O=acc_O,
-            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, **self._smem_operands(thr_mma, sQ, sK, sVt, smem_thr_copy_Q,
+            tSrQ=tSrQ, tSrK=tSrK, tOrVt=tOrVt, **self._smem_operands(thr_mma, sQ, sK_mma, sVt_mma, smem_thr_copy_Q,
                                                                      smem_thr_copy_K, smem_thr_copy_V),
             smem_thr_copy_Q=smem_thr_copy_Q, smem_thr_copy_K=smem_thr_copy_K, smem_thr_copy_V=smem_thr_copy_V,
             load_kv=load_kv, mK=mK, mV=mV, tKsK=tKsK, tVsV=tVsV,
@@ -319,7 +350,13 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         row_scale = softmax.finalize()
         softmax.rescale_O(acc_O, row_scale)
         rows = partial(self._packed_row, m_block=m_block, packed_rows=packed_rows, group=group, head_kv=head_kv)
-        if num_splits == 1:
+        if cutlass.const_expr(self.warps_along_keys):
+            cute.arch.barrier()  # every warp is done reading sK: it holds the merge's partial sums now
+            self._merge_warps(acc_O, softmax.row_sum, thr_mma, storage.sMergeLSE.get_tensor(
+                cute.make_layout((self.num_warps, self.tile_m), stride=(self.tile_m, 1))), storage.sK.data_ptr(),
+                tidx, warp_idx,
+                mO, mLSE, mOpart, mLSEpart, num_splits, batch, split * mQ.shape[0] + batch, rows)
+        elif num_splits == 1:
             self._store_O_LSE(acc_O, softmax.row_sum, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma,
                               tidx, batch, rows)
         else:
@@ -372,7 +409,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     def _row_slopes(self, thr_mma, mAlibiSlopes, alibi_scale, batch, m_block, packed_rows, group, head_kv):
         """ALiBi's slope (times alibi_scale) of each of this thread's packed rows: a row's query head
         is its own (r = q_idx * group + h), so the slope is per row, not per CTA. 0 past the rows."""
-        tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.warp_keys))))
         slopes = cute.make_rmem_tensor((cute.size(tScS_mn, mode=[0]),), Float32)
         for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
             valid, _, head = self._packed_row(tScS_mn[r, 0][0], m_block, packed_rows, group, head_kv)
@@ -382,7 +419,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         return slopes
 
     @cute.jit
-    def _mask(self, acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group, mods):
+    def _mask(self, acc_S, thr_mma, m_block, n_block, warp_key0, seqlen_q, seqlen_k, group, mods):
         """flash-attn 2's order: softcap, ALiBi's -slope * |i - j| (per packed row's head), then
         -inf for keys at or past seqlen_k, right of each packed row's diagonal (causal) and outside
         its window."""
@@ -390,8 +427,10 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         if cutlass.const_expr(softcap_pre is not None):
             apply_softcap(acc_S, softcap_pre)
         acc_S_mn = reshape_acc_to_mn(acc_S)
-        tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        tScS_mn = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.warp_keys))))
         key_offset = n_block * self.tile_n
+        if cutlass.const_expr(self.warps_along_keys):
+            key_offset += warp_key0  # this warp's slice of the block
         for r in cutlass.range_constexpr(cute.size(tScS_mn, mode=[0])):
             limit = seqlen_k - key_offset
             # the row's diagonal key, relative to the block
@@ -413,12 +452,12 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                 acc_S_mn[r, c] = -Float32.inf if hidden else acc_S_mn[r, c]
 
     @cute.jit
-    def _step(self, n_block, smem_read, smem_write, m_block, seqlen_q, seqlen_k, group, mods, thr_mma, tiled_mma,
-              softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_thr_copy_Q, smem_thr_copy_K,
+    def _step(self, n_block, smem_read, smem_write, m_block, warp_key0, seqlen_q, seqlen_k, group, mods, thr_mma,
+              tiled_mma, softmax, acc_O, tSrQ, tSrK, tOrVt, tSsQ, tSsK, tOsVt, smem_thr_copy_Q, smem_thr_copy_K,
               smem_thr_copy_V, load_kv, mK, mV, tKsK, tVsV):
         # the forward's two-wait step (kernels/sm80/fwd.py: _step), every block masked
         wait_groups = self.num_stages * 2 - 2
-        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.tile_n)), Float32)
+        acc_S = cute.make_rmem_tensor(thr_mma.partition_shape_C((self.tile_m, self.warp_keys)), Float32)
         acc_S.fill(0.0)
         cute.arch.cp_async_wait_group(wait_groups)
         cute.arch.barrier()  # K[n_block] landed; every warp done with the V stage written next
@@ -429,7 +468,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         else:
             gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
                       tSsQ, smem_thr_copy_Q)
-        self._mask(acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k, group, mods)
+        self._mask(acc_S, thr_mma, m_block, n_block, warp_key0, seqlen_q, seqlen_k, group, mods)
         row_scale = softmax.online_softmax(acc_S, is_first=False, check_inf=True)
         softmax.rescale_O_if_needed(acc_O, row_scale)
         if cutlass.const_expr(self.fp32):
@@ -494,3 +533,58 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                             gRow[col] = acc_O_mn[r, c]
                     else:
                         gRow[col] = acc_O_mn[r, c]
+
+    @cute.jit
+    def _merge_warps(self, acc_O, lse, thr_mma, sMergeLSE, scratch, tidx, warp_idx, mO, mLSE, mOpart, mLSEpart,
+                     num_splits, batch, piece, rows):
+        """warps_along_keys: each warp's normalized O and LSE per row into shared memory (O in the
+        fp32 scratch over sK), then per row L = log sum_w exp(L_w) and O = sum_w exp(L_w - L) O_w,
+        written as the final O and LSE or as this split's piece; each thread takes one row's
+        run of columns."""
+        sAcc = cute.make_tensor(cute.recast_ptr(scratch, dtype=Float32),
+                                cute.make_layout((self.num_warps, self.tile_m, self.tile_hdim),
+                                                 stride=(self.tile_m * self.tile_hdim, self.tile_hdim, 1)))
+        acc_O_mn = reshape_acc_to_mn(acc_O)
+        taccOcO = reshape_acc_to_mn(thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_hdim))))
+        for r in cutlass.range_constexpr(cute.size(lse)):
+            row = taccOcO[r, 0][0]
+            if taccOcO[0][1] == 0:
+                sMergeLSE[warp_idx, row] = lse[r]
+            for c in cutlass.range_constexpr(cute.size(acc_O_mn, mode=[1])):
+                sAcc[warp_idx, row, taccOcO[r, c][1]] = acc_O_mn[r, c]
+        cute.arch.barrier()
+        threads_per_row = self.num_threads // self.tile_m
+        columns = self.tile_hdim // threads_per_row
+        row = tidx // threads_per_row
+        part = tidx % threads_per_row
+        lse_max = -Float32.inf
+        for w in cutlass.range_constexpr(self.num_warps):
+            lse_max = cute.arch.fmax(lse_max, sMergeLSE[w, row])
+        # no warp saw a key of this row: weigh all by 0 (exp2(-inf)), not by exp2(nan)
+        lse_base = Float32(0.0) if lse_max == -Float32.inf else lse_max
+        weights = cute.make_rmem_tensor((self.num_warps,), Float32)
+        total = Float32(0.0)
+        for w in cutlass.range_constexpr(self.num_warps):
+            weights[w] = cute.math.exp2((sMergeLSE[w, row] - lse_base) * LOG2_E, fastmath=True)
+            total += weights[w]
+        row_lse = -Float32.inf
+        inv_total = Float32(0.0)
+        if total > 0.0:
+            row_lse = lse_base + cute.math.log2(total, fastmath=True) * math.log(2.0)
+            inv_total = cute.arch.rcp_approx(total)
+        out = cute.make_rmem_tensor((columns,), Float32)
+        for j in cutlass.range_constexpr(columns):
+            acc = Float32(0.0)
+            for w in cutlass.range_constexpr(self.num_warps):
+                acc += weights[w] * sAcc[w, row, part * columns + j]
+            out[j] = acc * inv_total
+        valid, q_idx, head = rows(row)
+        if valid:
+            if num_splits == 1:
+                if part == 0:
+                    mLSE[batch, head, q_idx] = row_lse
+                cute.local_tile(mO[batch, q_idx, head, None], (columns,), (part,)).store(out.load().to(self.dtype))
+            else:
+                if part == 0:
+                    mLSEpart[piece, head, q_idx] = row_lse
+                cute.local_tile(mOpart[piece, q_idx, head, None], (columns,), (part,)).store(out.load())

@@ -8,6 +8,7 @@ import cutlass
 
 from cute_flash import dispatch
 from cute_flash.compile_report import compile_report
+from cute_flash.kernels.sm80.decode import FlashDecodeSm80
 from cute_flash.kernels.sm80.decode_combine import SPLIT_UNROLL
 from cute_flash.validate import MAX_SPLITS
 
@@ -99,6 +100,26 @@ def test_narrow_decode_compiles_without_spills(monkeypatch, arch, head_dim, page
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
+@pytest.mark.parametrize("arch,head_dim,page_size,mods,causal", [("sm_80", 128, 0, (False, False, False), False),
+                                                                ("sm_90a", 128, 256, (False, False, False), True),
+                                                                ("sm_90a", 64, 16, (True, True, True), True)])
+def test_warps_along_keys_compile_without_spills(monkeypatch, arch, head_dim, page_size, mods, causal):
+    """dispatch.DECODE_KEYS_TILE: 16 rows, each warp its 16-key slice of a block (a quarter of the
+    64-row tile's mma.sync), the warps' states merged through shared memory (two more barriers)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    capability = (9, 0) if arch == "sm_90a" else (8, 0)
+    plan = dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods, warps_along_keys=True)
+    assert plan.main.config.warps_along_keys and plan.tile_m == 16
+    wide = _compile(dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods).main, arch)
+    report = _compile(plan.main, arch)
+    assert report.ptx.count("mma.sync.aligned.m16n8k16") * 4 == wide.ptx.count("mma.sync.aligned.m16n8k16")
+    assert report.ptx.count("bar.sync") == 4  # two per key block, two for the merge
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+    # head dims whose merge scratch or Q copy do not fit keep the 64-row tile
+    assert not FlashDecodeSm80.can_implement(cutlass.BFloat16, 96, False, **dict(
+        FlashDecodeSm80.default_tiles(96), **dispatch.DECODE_KEYS_TILE))
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 @pytest.mark.parametrize("head_dim,page_size,mods,shape", [(128, 0, (False, False, False), "default"),
                                                            (64, 16, (True, True, True), "default"),
@@ -168,6 +189,12 @@ def test_page_sizes_and_split_heuristic():
     assert not dispatch.decode_is_narrow(8, 8, 1, 8, 132)  # 64 rows: two narrow tiles would read each key twice
     assert not dispatch.decode_is_narrow(64, 32, 8, 1, 132)  # 512 tiles
     assert not dispatch.decode_is_narrow(1, 8, 1, 1, 132)  # one tile: the deep CTA's
+    # warps along the keys where 16 packed rows hold a sequence's group and the tiles fill the SMs
+    assert dispatch.decode_warps_along_keys(64, 32, 8, 1, 128, 132)  # 512 tiles of 4 rows
+    assert dispatch.decode_warps_along_keys(132, 8, 1, 2, 64, 132)  # 16 rows each
+    assert not dispatch.decode_warps_along_keys(64, 32, 8, 8, 128, 132)  # 32 rows
+    assert not dispatch.decode_warps_along_keys(8, 32, 8, 1, 128, 132)  # 64 tiles: the narrow tile's
+    assert not dispatch.decode_warps_along_keys(64, 32, 8, 1, 96, 132)
 
 
 def test_split_block_ranges_match_brute_force():

@@ -230,6 +230,21 @@ def test_fp32_cache_with_modifications_and_long_splits(head_dim):
     check_call(1, 1, (8, 1), head_dim, 40000, False, dtype=torch.float32)
 
 
+@pytest.mark.parametrize("page_size", [0, 16])
+@pytest.mark.parametrize("heads, seqlen_q, head_dim", [((8, 1), 1, 128), ((8, 2), 4, 64), ((16, 4), 1, 128)], ids=str)
+def test_many_row_tiles_take_warps_along_keys(heads, seqlen_q, head_dim, page_size):
+    """Row tiles that fill the SMs, each (sequence, KV head)'s rows in 16: dispatch.DECODE_KEYS_TILE
+    (each warp its slice of the keys, the warps' states merged in shared memory)."""
+    from cute_flash import dispatch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    batch = -(-sms // heads[1])
+    assert dispatch.decode_warps_along_keys(batch, *heads, seqlen_q, head_dim, sms)
+    check_call(batch, seqlen_q, heads, head_dim, 700, True, page_size=page_size)
+    check_call(batch, seqlen_q, heads, head_dim, 500, False, page_size=page_size, softcap=15.0, window_size=(90, 0),
+               alibi_slopes=_slopes(batch, heads[0], True))
+
+
 def test_fp16_head_dim_64_odd_page():
     check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
 
