@@ -95,7 +95,9 @@ def test_cache_shapes_and_dtypes():
     expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc[..., :32], vc[..., :32])
     expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q[:, :, :7], kc, vc)
     expect(ErrorCode.UNSUPPORTED_DTYPE, TypeError, call, q, kc.half(), vc.half())
-    expect(ErrorCode.UNSUPPORTED_DTYPE, TypeError, call, q.float(), kc.float(), vc.float())
+    # fp32 q and caches pass every rule (split TF32 in the decode kernel): they reach the device check
+    expect(ErrorCode.CUDA_ERROR, RuntimeError, call, q.float(), kc.float(), vc.float())
+    expect(ErrorCode.UNSUPPORTED_DTYPE, TypeError, call, q.float(), kc, vc)
     expect(ErrorCode.UNSUPPORTED_HEAD_DIM, ValueError, call, q[..., :60], kc[..., :60], vc[..., :60])
     # a contiguous cache with fewer entries than sequences needs cache_batch_idx
     expect(ErrorCode.DIMENSION_MISMATCH, ValueError, call, q, kc[:1], vc[:1])
