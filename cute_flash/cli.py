@@ -100,12 +100,6 @@ def dtype_arg(text: str) -> str:
                                      "or fp32 (float32)")
 
 
-def export_dtype_arg(text: str) -> str:
-    """dtype_arg for the C library, which holds the 16-bit kernels only (an argparse type)."""
-    dtype = dtype_arg(text)
-    if dtype == "float32":
-        raise argparse.ArgumentTypeError("the C library holds no fp32 kernels: use bf16 (bfloat16) or fp16 (float16, half)")
-    return dtype
 
 
 def short_dtype_arg(text: str) -> str:
@@ -450,8 +444,9 @@ def _add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="build libcute_flash.so and cute_flash.h, a C ABI (docs/api.md)")
     p.add_argument("--arch", type=arch_arg, default=None,
                    help="compile target: sm_80 (A100 and other sm_8x), sm_90a (H100), ... (default: the visible GPU)")
-    p.add_argument("--dtypes", type=comma_list(export_dtype_arg), default="bf16,fp16",
-                   help="comma list of bf16 (bfloat16), fp16 (float16, half); default: both")
+    p.add_argument("--dtypes", type=comma_list(dtype_arg), default="bf16,fp16",
+                   help="comma list of bf16 (bfloat16), fp16 (float16, half), fp32 (float32, split TF32); "
+                        "default: bf16,fp16")
     p.add_argument("--head-dims", type=comma_list(head_dim_arg), default="64,128",
                    help="comma list of multiples of 8 up to 256; default: 64,128")
     p.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default="both",

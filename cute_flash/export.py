@@ -50,8 +50,8 @@ LIBRARY = "libcute_flash.so"
 SHARED_RUNTIME = "libcute_dsl_runtime.so"
 STATIC_RUNTIME = "libcuda_dialect_runtime_static.a"
 RUNTIMES = ("shared", "static")
-DTYPE_CONSTANTS = {"float16": "CUFLASH_DTYPE_F16", "bfloat16": "CUFLASH_DTYPE_BF16"}
-DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16"}
+DTYPE_CONSTANTS = {"float16": "CUFLASH_DTYPE_F16", "bfloat16": "CUFLASH_DTYPE_BF16", "float32": "CUFLASH_DTYPE_F32"}
+DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 
 # What cuflash.c passes each kernel's launcher, in order (before the launcher's return slot):
 # tensors by descriptor, scalars by address. The DSL's header must say the same.
@@ -414,7 +414,7 @@ def export_library(out_dir, arch: str, dtypes, head_dims, causals=(False, True),
     """Compile the chosen variants for `arch` and build out_dir/libcute_flash.so and
     out_dir/cute_flash.h; the kernel objects, the DSL's headers and the kernel table stay in
     out_dir/build (for linking the kernels into a program statically). `dtypes` are torch's
-    names ("bfloat16", "float16"). The backward is exported for every combination of `gqas`
+    names ("bfloat16", "float16", "float32": split TF32). The backward is exported for every combination of `gqas`
     (False: kv_heads == heads; True: grouped-query) and `deterministics`."""
     start = time.perf_counter()
     out_dir = Path(out_dir)

@@ -175,10 +175,9 @@ int main(int argc, char **argv) {
                                                 CAUSAL, stream));
     CHECK_CU(cuStreamSynchronize(stream));
 
-    /* f32 passes the same checks, then has no kernel. */
-    int f32 = cuflash_attention_forward_f32((float *)q, (float *)k, (float *)v, (float *)out, (float *)lse, B, H, N, D,
-                                            scale, CAUSAL, stream);
-    printf("f32: %d (%s)\n", f32, cuflash_error_string(f32));
+    /* Which variants the library holds (cute-flash export --dtypes ...): a call of another one
+     * returns CUFLASH_ERROR_VARIANT_NOT_EXPORTED before any launch. */
+    printf("f32 forward exported: %d\n", cuflash_variant_exported(0, CUFLASH_DTYPE_F32, D, CAUSAL));
 
     uint16_t *results[4] = {download(out), download(dq), download(dk), download(dv)};
     double *got[4] = {widen(results[0]), widen(results[1]), widen(results[2]), widen(results[3])};
@@ -206,7 +205,7 @@ int main(int argc, char **argv) {
     /* bf16 outputs carry a relative rounding of 2^-8; the gradients also go through bf16 P and dS. */
     const char *names[4] = {"O", "dQ", "dK", "dV"};
     const double bounds[4] = {1e-2, 3e-2, 3e-2, 3e-2};
-    int failed = f32 != CUFLASH_ERROR_UNSUPPORTED_DTYPE || !(lse_error < 1e-3);
+    int failed = !(lse_error < 1e-3);
     printf("L: max error %.2e (bound 1e-3)\n", lse_error);
     for (int t = 0; t < 4; t++) {
         double error = relative_error(got[t], want[t], ELEMENTS);

@@ -113,14 +113,13 @@ static int check_problem(const problem *p, float scale, int causal, int determin
     if (deterministic != 0 && deterministic != 1) {
         return fail(CUFLASH_ERROR_INVALID_DIMENSION, "deterministic must be 0 or 1, got %d", deterministic);
     }
-    if (dtype == CUFLASH_DTYPE_F32) {
-        return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "f32: the C library holds 16-bit kernels only (float32 runs through the Python package); use f16 or bf16 tensors");
+    if (dtype != CUFLASH_DTYPE_F16 && dtype != CUFLASH_DTYPE_BF16 && dtype != CUFLASH_DTYPE_F32) {
+        return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "unknown dtype %d", dtype);
     }
-    if (dtype != CUFLASH_DTYPE_F16 && dtype != CUFLASH_DTYPE_BF16) return fail(CUFLASH_ERROR_UNSUPPORTED_DTYPE, "unknown dtype %d", dtype);
     return CUFLASH_SUCCESS;
 }
 
-/* The kernels' (batch, seqlen, heads, head_dim) view of a 16-bit [batch, heads, seq, head_dim]
+/* The kernels' (batch, seqlen, heads, head_dim) view of a [batch, heads, seq, head_dim]
  * operand. A stride of an extent of 1 is never multiplied by a non-zero index; it gets a value
  * the kernels' layout accepts. */
 static int bshd_view(const char *name, const cuflash_tensor *t, int batch, int heads, int seq, cf_bshd *view) {
@@ -177,7 +176,9 @@ static const cf_backward_variant *backward_variant(int dtype, int head_dim, int 
     return NULL;
 }
 
-static const char *dtype_name(int dtype) { return dtype == CUFLASH_DTYPE_F16 ? "f16" : "bf16"; }
+static const char *dtype_name(int dtype) {
+    return dtype == CUFLASH_DTYPE_F16 ? "f16" : dtype == CUFLASH_DTYPE_BF16 ? "bf16" : "f32";
+}
 
 static int not_exported(const char *pass, int dtype, int head_dim, int causal) {
     return fail(CUFLASH_ERROR_VARIANT_NOT_EXPORTED, "no %s kernel for %s, head_dim %d, causal %d in this library "

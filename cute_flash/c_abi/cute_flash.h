@@ -32,7 +32,7 @@ enum {
                                                  driver) or a failed launch */
     CUFLASH_ERROR_OUT_OF_MEMORY = 5,          /* the backward's workspace could not be allocated */
     CUFLASH_ERROR_UNSUPPORTED_HEAD_DIM = 6,   /* head_dim not a multiple of 8 in [8, 256] */
-    CUFLASH_ERROR_UNSUPPORTED_DTYPE = 7,      /* f32 (16-bit kernels only here) or an unknown dtype */
+    CUFLASH_ERROR_UNSUPPORTED_DTYPE = 7,      /* an unknown dtype */
     CUFLASH_ERROR_VARIANT_NOT_EXPORTED = 8    /* a supported problem whose kernel this library was not
                                                  built with (see cuflash_build_info) */
 };
@@ -69,8 +69,8 @@ int cuflash_backward_variant_exported(int dtype, int head_dim, int causal, int g
 
 /* Forward: O = softmax(scale * Q K^T) V for row-major [B, H, N, D] Q, K, V, O; L = the
  * natural-log logsumexp of each row of scaled scores, float32 [B, H, N]. Causal masking hides key
- * j from query i when j > i. f32 has no kernel: it returns CUFLASH_ERROR_UNSUPPORTED_DTYPE once
- * its pointers, sizes, scale and causal flag pass their checks. */
+ * j from query i when j > i. f32 runs split TF32 kernels (three TF32 products per pair, fp32-grade
+ * accuracy) where the library was exported with them (cute-flash export --dtypes fp32). */
 int cuflash_attention_forward_f16(const void *Q, const void *K, const void *V, void *O, float *L,
                                   int batch, int heads, int seq_len, int head_dim, float scale,
                                   int causal, void *stream);

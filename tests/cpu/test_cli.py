@@ -43,7 +43,7 @@ def test_version(capsys):
                                       "multiples of 8 up to 256"),
     (["warmup", "--head-dims", "64,264"], "head dim 264 is not supported"),
     (["check", "--head-dims", "64,x"], "'x' is not a head dim"),
-    (["export", "-o", "x", "--dtypes", "fp32"], "argument --dtypes: the C library holds no fp32 kernels: use bf16"),
+    (["export", "-o", "x", "--dtypes", "fp64"], "argument --dtypes: 'fp64' is not an element type"),
     (["check", "--dtypes", "int8"], "'int8' is not an element type: use bf16 (bfloat16), fp16 (float16, half) or fp32"),
     (["check", "--passes", "fwdbwd"], "'fwdbwd' is not a pass: use fwd, bwd or fwd,bwd"),
     (["check", "--jobs", "0"], "'0' is not a number of processes"),

@@ -398,7 +398,7 @@ BACKWARD_CHECKS = [  # (arguments of ex_backward, code, words of the message)
     (dict(head_dim=0), ErrorCode.INVALID_DIMENSION, "head_dim must be positive"),
     (dict(deterministic=2), ErrorCode.INVALID_DIMENSION, "deterministic must be 0 or 1, got 2"),
     (dict(deterministic=-1, kv_heads=2), ErrorCode.INVALID_DIMENSION, "deterministic must be 0 or 1"),
-    (dict(dtype=F32), ErrorCode.UNSUPPORTED_DTYPE, "holds 16-bit kernels only"),
+    (dict(dtype=F32), NOT_EXPORTED, "no backward kernel for f32, head_dim 64, causal 0"),
     (dict(kv_heads=2, dK=Tensor(ADDRESS * 8, 2 * 300 * 64, 300 * 64, 68)), ErrorCode.INVALID_DIMENSION,
      "dK's seq_stride (68)"),
     (dict(kv_heads=2, dV=Tensor(ADDRESS * 9 + 8, 2 * 300 * 64, 300 * 64, 64)), ErrorCode.INVALID_DIMENSION,
@@ -460,7 +460,7 @@ CHECKS = [  # (arguments of ex_forward, code, words of the message)
     (dict(scale=-1.0), ErrorCode.INVALID_DIMENSION, "scale"),
     (dict(scale=float("nan")), ErrorCode.INVALID_DIMENSION, "scale"),
     (dict(causal=2), ErrorCode.INVALID_DIMENSION, "causal must be 0 or 1"),
-    (dict(dtype=F32), ErrorCode.UNSUPPORTED_DTYPE, "holds 16-bit kernels only"),
+    (dict(dtype=F32), NOT_EXPORTED, "no forward kernel for f32, head_dim 64, causal 0"),
     (dict(dtype=9), ErrorCode.UNSUPPORTED_DTYPE, "unknown dtype 9"),
     (dict(q=Tensor(ADDRESS + 2, 1024, 256, 64)), ErrorCode.INVALID_DIMENSION, "16-byte aligned"),
     (dict(q=Tensor(ADDRESS, 1024, 256, 68)), ErrorCode.INVALID_DIMENSION, "seq_stride (68)"),
@@ -536,7 +536,7 @@ def test_ctypes_sees_every_check_of_the_real_library(library):
     assert fwd(None, p, p, p, p, 1, 2, 16, 64, 0.125, 0, None) == ErrorCode.NULL_POINTER
     assert fwd(p, p, p, p, p, 1, 2, 16, 60, 0.125, 0, None) == ErrorCode.UNSUPPORTED_HEAD_DIM
     assert fwd(p, p, p, p, p, 1, -2, 16, 64, 0.125, 0, None) == ErrorCode.INVALID_DIMENSION
-    assert library.cuflash_attention_forward_f32(p, p, p, p, p, 1, 2, 16, 64, 0.125, 0, None) == ErrorCode.UNSUPPORTED_DTYPE
+    assert library.cuflash_attention_forward_f32(p, p, p, p, p, 1, 2, 16, 64, 0.125, 0, None) == NOT_EXPORTED
     assert library.cuflash_attention_forward_f16(p, p, p, p, p, 1, 2, 16, 64, 0.125, 0, None) == NOT_EXPORTED
     assert fwd(p, p, p, p, p, 1, 2, 16, 64, 0.125, 1, None) == NOT_EXPORTED
     bwd = library.cuflash_attention_backward_bf16
@@ -592,7 +592,7 @@ int main(void) {
     EXPECT(cuflash_attention_forward_bf16(NULL, p, p, p, l, 1, 2, 16, 64, 0.125f, 0, NULL), CUFLASH_ERROR_NULL_POINTER);
     EXPECT(cuflash_attention_forward_bf16(p, p, p, p, l, 0, 2, 16, 64, 0.125f, 0, NULL), CUFLASH_ERROR_INVALID_DIMENSION);
     EXPECT(cuflash_attention_forward_bf16(p, p, p, p, l, 1, 2, 16, 72 + 1, 0.125f, 0, NULL), CUFLASH_ERROR_UNSUPPORTED_HEAD_DIM);
-    EXPECT(cuflash_attention_forward_f32(l, l, l, l, l, 1, 2, 16, 64, 0.125f, 0, NULL), CUFLASH_ERROR_UNSUPPORTED_DTYPE);
+    EXPECT(cuflash_attention_forward_f32(l, l, l, l, l, 1, 2, 16, 64, 0.125f, 0, NULL), CUFLASH_ERROR_VARIANT_NOT_EXPORTED);
     EXPECT(cuflash_attention_forward_f16(p, p, p, p, l, 1, 2, 16, 64, 0.125f, 0, NULL), CUFLASH_ERROR_VARIANT_NOT_EXPORTED);
     EXPECT(cuflash_attention_backward_bf16(p, p, p, p, p, l, p, p, p, 1, 2, 16, 64, 0.125f, 1, NULL),
            CUFLASH_ERROR_VARIANT_NOT_EXPORTED);
@@ -657,6 +657,19 @@ def test_the_default_export_holds_both_backward_forms_and_shares_kernels():
     assert set(deterministic) == {("bfloat16", 64, False, False, True)}
 
 
+def test_fp32_kernels_take_what_the_shim_passes(tmp_path):
+    """fp32 (split TF32) variants: the sm80 kernels compiled for fp32 take the descriptors cuflash.c
+    builds (the same as the 16-bit kernels'), and the table lists them under CUFLASH_DTYPE_F32."""
+    jobs, forward, backward = export.kernel_jobs("sm_80", ["float32"], [64], (False,), ("fwd", "bwd"), (True,), (False,))
+    assert set(forward) == {("float32", 64, False)} and set(backward) == {("float32", 64, False, True, False)}
+    assert {job.label for job in jobs} == {"fwd/f32/d64/full", "pre/f32/d64", "main/f32/d64/full/gqa", "post/f32/d64",
+                                           "sum/f32/d64"}
+    kernels = {job.prefix: export.export_kernel("sm_80", job, str(tmp_path)) for job in jobs}
+    table = export.kernel_table("sm_80", kernels, forward, backward)
+    m_block = export.plan_of("sm_80", "main", "float32", 64, False, True).settings()["m_block_size"]
+    assert "{CUFLASH_DTYPE_F32, 64, 0, &" in table and f"{{CUFLASH_DTYPE_F32, 64, 0, 1, 0, {m_block}, 64, &" in table
+
+
 @pytest.mark.parametrize("flags, gqas, deterministics", [
     ([], (False, True), (False,)),
     (["--gqa", "yes", "--deterministic", "both"], (True,), (False, True)),
@@ -678,7 +691,7 @@ def test_export_flags_choose_the_backward_variants(tmp_path, monkeypatch, flags,
 @pytest.mark.parametrize("argv, words", [
     (["export", "--arch", "sm_80"], "the following arguments are required: -o/--out"),
     (["export", "--arch", "sm_75", "-o", "x"], "the CuTe DSL cannot target sm_75"),
-    (["export", "--dtypes", "fp32", "-o", "x"], "the C library holds no fp32 kernels"),
+    (["export", "--dtypes", "int8", "-o", "x"], "'int8' is not an element type"),
     (["export", "--causal", "maybe", "-o", "x"], "invalid choice: 'maybe'"),
     (["export", "--gqa", "1", "-o", "x"], "invalid choice: '1'"),
     (["export", "--deterministic", "true", "-o", "x"], "invalid choice: 'true'"),

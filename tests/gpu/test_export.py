@@ -22,8 +22,8 @@ from .common import assert_backward_accurate, assert_forward_accurate, randn
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler (cc)")]
 
 REPO = Path(__file__).resolve().parents[2]
-BF16 = 1
-NOT_EXPORTED, UNSUPPORTED_DTYPE = 8, 7
+BF16, F32 = 1, 2
+NOT_EXPORTED = 8
 
 
 @pytest.fixture(scope="module")
@@ -176,12 +176,56 @@ def test_the_deterministic_backward_is_bit_identical(lib, kv_heads):
     assert_backward_accurate(runs[0], dout, q, k, v, True)
 
 
-def test_a_variant_left_out_and_f32_are_refused_on_the_gpu_too(lib):
+def test_variants_left_out_are_refused_on_the_gpu_too(lib):
     t = torch.zeros(1, 2, 16, 64, device="cuda", dtype=torch.float16)
     lse = torch.zeros(1, 2, 16, device="cuda")
     args = (t.data_ptr(), t.data_ptr(), t.data_ptr(), t.data_ptr(), lse.data_ptr(), 1, 2, 16, 64, 0.125, 0, stream())
     assert lib.cuflash_attention_forward_f16(*args) == NOT_EXPORTED
-    assert lib.cuflash_attention_forward_f32(*args) == UNSUPPORTED_DTYPE
+    assert lib.cuflash_attention_forward_f32(*args) == NOT_EXPORTED
+
+
+@pytest.fixture(scope="module")
+def lib_fp32(tmp_path_factory):
+    """fp32 (split TF32), d64, causal and not, forward and backward (kv_heads == heads and <)."""
+    out = tmp_path_factory.mktemp("c-abi-fp32")
+    export.export_library(out, device.target_arch(), ["float32"], [64], (False, True), ("fwd", "bwd"),
+                          jobs=min(6, os.cpu_count() or 1), gqas=(False, True), deterministics=(False,))
+    return declare(ctypes.CDLL(str(out / export.LIBRARY)))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp32_forward_and_backward_of_row_major_tensors(lib_fp32, causal):
+    b, h, n, d = 2, 3, 150, 64
+    q, k, v, dout = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float32) for _ in range(4))
+    out, dq, dk, dv = (torch.full_like(q, float("nan")) for _ in range(4))
+    lse = torch.full((b, h, n), float("nan"), device="cuda")
+    sizes = (b, h, n, d, 1 / math.sqrt(d), causal, stream())
+    ok(lib_fp32, lib_fp32.cuflash_attention_forward_f32(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+                                                        lse.data_ptr(), *sizes))
+    ok(lib_fp32, lib_fp32.cuflash_attention_backward_f32(
+        *(t.data_ptr() for t in (dout, q, k, v, out, lse, dq, dk, dv)), *sizes))
+    torch.cuda.synchronize()
+    bshd = lambda t: t.transpose(1, 2)
+    assert_forward_accurate(bshd(out), lse, bshd(q), bshd(k), bshd(v), causal)
+    assert_backward_accurate((bshd(dq), bshd(dk), bshd(dv)), bshd(dout), bshd(q), bshd(k), bshd(v), causal)
+
+
+def test_fp32_grouped_query_backward_through_ex(lib_fp32):
+    b, h, hkv, sq, sk, d = 2, 4, 2, 120, 90, 64
+    q, dout = (randn(b, sq, h, d, dtype=torch.float32) for _ in range(2))
+    k, v = (randn(b, sk, hkv, d, dtype=torch.float32) for _ in range(2))
+    out, dq = torch.empty_like(q), torch.full_like(q, float("nan"))
+    dk, dv = (torch.full_like(k, float("nan")) for _ in range(2))
+    lse = torch.empty(b, h, sq, device="cuda")
+    scale = 1 / math.sqrt(d)
+    ok(lib_fp32, lib_fp32.cuflash_attention_forward_ex(F32, bhnd(q), bhnd(k), bhnd(v), bhnd(out), stat(lse), b, h, hkv,
+                                                       sq, sk, d, scale, 1, stream()))
+    ok(lib_fp32, lib_fp32.cuflash_attention_backward_ex(
+        F32, bhnd(dout), bhnd(q), bhnd(k), bhnd(v), bhnd(out), stat(lse), bhnd(dq), bhnd(dk), bhnd(dv), b, h, hkv,
+        sq, sk, d, scale, 1, 0, stream()))
+    torch.cuda.synchronize()
+    assert_forward_accurate(out, lse, q, k, v, causal=True)
+    assert_backward_accurate((dq, dk, dv), dout, q, k, v, True)
 
 
 def _cuda_root() -> Path | None:
@@ -207,7 +251,7 @@ def test_the_c_example(exported, tmp_path):
     run = subprocess.run([tmp_path / "c_example", arrays], capture_output=True, text=True, timeout=120)
     print(run.stdout)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "f32: 7 (unsupported dtype)" in run.stdout and run.stdout.rstrip().endswith("ok")
+    assert "f32 forward exported: 0" in run.stdout and run.stdout.rstrip().endswith("ok")
 
     # What the program computed, against float64 attention (the sizes are the example's).
     def load(name, dtype, shape):
