@@ -21,7 +21,7 @@ the kernels compute the same function:
 - every other call is handed to transformers' "sdpa" function, with a one-time warning per
   reason: any attention mask (padding, packed sequences, custom patterns), attention dropout
   (training with attention_dropout > 0), a position bias, a causal call with fewer keys than
-  queries, and inputs the kernels do not take (fp32, CPU, head dims not a multiple of 8 up to
+  queries, and inputs the kernels do not take (CPU, head dims not a multiple of 8 up to
   256, query and value head dims that differ, GPUs older than sm_80);
 - softcapping (`softcap`, Gemma 2) runs in the kernels; a call that would go to "sdpa", which has
   none, raises `UnsupportedArgumentError` instead; so do attention sinks (`s_aux`).
