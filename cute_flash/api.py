@@ -131,15 +131,15 @@ def _launcher(memo: dict, plan_of, device: torch.device, *problem):
     return launch
 
 
-def _plan_forward(capability, dtype, head_dim, causal, length, mods, dropout=False):
+def _plan_forward(capability, dtype, head_dim, causal, length, mods, dropout, tf32_products):
     plan = dispatch.plan_forward(capability, dtype, head_dim, causal, length, devices.sm_count(torch.cuda.current_device()),
-                                 mods=mods, dropout=dropout)
+                                 mods=mods, dropout=dropout, tf32_products=tf32_products)
     return forward_launcher(plan)
 
 
-def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods, dropout=False):
+def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods, dropout, tf32_products):
     return backward_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods,
-                                                    dropout=dropout))
+                                                    dropout=dropout, tf32_products=tf32_products))
 
 
 def _dropout(dropout_p, rng_state, mod_args):
@@ -207,7 +207,7 @@ def forward(q, k, v, *, out=None, lse=None, softmax_scale=None, causal=False, wi
     with _on(device):
         length = dispatch.length_class(problem.seqlen_k, mods.causal)
         launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, mods.causal, length,
-                           mods.flags, dropout_p != 0.0)
+                           mods.flags, dropout_p != 0.0, dispatch.tf32_products_for(q.dtype))
         out_k = output_buffer(out, _like(q))
         lse_k = output_buffer(lse, lambda: torch.empty(lse_shape(problem), dtype=torch.float32, device=device), STAT_ALIGN)
         q_k, scale_k = _uniform_scores(q, scale)
@@ -260,7 +260,7 @@ def backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, softmax_scal
         grads = [output_buffer(grad, _like(like)) for grad, like in ((dq, q), (dk, k), (dv, v))]
         gqa = problem.nheads != problem.nheads_kv
         launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, mods.causal,
-                           deterministic, gqa, mods.flags, dropout_p != 0.0)
+                           deterministic, gqa, mods.flags, dropout_p != 0.0, dispatch.tf32_products_for(q.dtype))
         q_k, scale_k = _uniform_scores(q, scale)
         launch(kernel_input(dout), q_k, kernel_input(k), kernel_input(v), kernel_input(out),
                kernel_input(lse, STAT_ALIGN), *grads, scale_k, *mod_args)

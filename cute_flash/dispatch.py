@@ -115,7 +115,8 @@ NO_MODS = (False, False, False)
 
 def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                  length: str = "long", num_sms: int | None = None, family: str | None = None,
-                 mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False, dropout: bool = False) -> Plan:
+                 mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False, dropout: bool = False,
+                 tf32_products: int = 3) -> Plan:
     """The forward kernel for this GPU and problem class. Lengths matter only through `length`
     (length_class); persistent kernels are sized to `num_sms` (default: the current GPU's).
     `family` picks a kernel family other than the GPU's own (device.kernel_family), e.g. "sm80".
@@ -124,10 +125,11 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     `varlen` (packed sequences at cu_seqlens offsets) goes to the family's `call_varlen` entry
     point, with or without `mods` (their values None where off). `dropout`
     (dropout_p > 0: kernels/common/philox.py) goes to the same `call_with_mods` entry points,
-    dense batches only."""
+    dense batches only. `tf32_products` (fp32: tf32_products_for) to the sm80 family's fp32 kernels."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     _check_dropout(dropout, varlen)
+    _check_tf32_products(dtype, tf32_products)
     if (family or kernel_family(capability)) == "sm90":
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
@@ -150,7 +152,8 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal, dropout, arch)
     if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles, arch=arch):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
-    config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods, dropout), varlen=varlen)
+    config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods, dropout), varlen=varlen,
+                           tf32_products=tf32_products)
     args = fake_forward_args(cdtype, head_dim, False)
     if varlen:  # + cu_seqlens_q, cu_seqlens_k, max_seqlen_q before the scale
         args = args[:5] + (fake_int32_vector(), fake_int32_vector(), cutlass.Int32(1)) + args[5:-1] + \
@@ -165,6 +168,21 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
 def _check_dropout(dropout: bool, varlen: bool) -> None:
     if dropout and varlen:
         raise ValueError("dropout has no packed variable-length kernels (validate rejects dropout_p > 0 there)")
+
+
+def tf32_products_for(dtype: torch.dtype) -> int:
+    """TF32 products per operand pair of an fp32 call, from torch's own fp32 matmul setting
+    (torch.set_float32_matmul_precision): "highest" (torch's default) -> 3, split TF32 with
+    fp32-grade accuracy; "high" / "medium", which let torch's fp32 matmuls use TF32 -> 1, plain
+    TF32. 16-bit inputs: 3 (the field is unused there)."""
+    if dtype != torch.float32:
+        return 3
+    return 3 if torch.get_float32_matmul_precision() == "highest" else 1
+
+
+def _check_tf32_products(dtype: torch.dtype, tf32_products: int) -> None:
+    if tf32_products not in (1, 3) or (tf32_products == 1 and dtype != torch.float32):
+        raise ValueError(f"tf32_products is 3, or 1 for fp32 inputs; got {tf32_products} for {dtype}")
 
 
 def _mod_fields(causal: bool, mods: tuple[bool, bool, bool], dropout: bool = False) -> dict:
@@ -204,7 +222,8 @@ def _backward_main_args(cdtype, head_dim: int, dkv_dtype, stat_align: int = 4) -
 
 def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                   deterministic: bool = False, gqa: bool = False, family: str | None = None,
-                  mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False, dropout: bool = False) -> BackwardPlan:
+                  mods: tuple[bool, bool, bool] = NO_MODS, varlen: bool = False, dropout: bool = False,
+                  tf32_products: int = 3) -> BackwardPlan:
     """The backward kernels for this GPU: on sm_90 the Hopper backward where its configuration
     covers the head dim (it sums GQA groups itself), else the sm80 family's (compiled for the GPU's
     own target, whose register allocation the tiles depend on), whose main kernel writes
@@ -213,7 +232,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     window, softcap and ALiBi through its `call_with_mods` and a packed batch through the main
     kernel's and its postprocess's `call_varlen`; the sm80 family serves every `mods` and
     `varlen`: its three kernels' `call_varlen` entry points; `dropout` its main kernel's
-    `call_with_mods`, dense batches only)."""
+    `call_with_mods`, dense batches only). `tf32_products` as for plan_forward."""
     from .kernels.sm80.bwd import FlashAttnBwdSm80
     from .kernels.sm80.config import Sm80BwdConfig, Sm80BwdPostConfig, Sm80BwdPreConfig, bwd_default_tiles
     from .kernels.sm80.bwd_post import FlashAttnBwdPostprocessSm80
@@ -222,6 +241,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     _check_dropout(dropout, varlen)
+    _check_tf32_products(dtype, tf32_products)
     pre_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(),
                 fake_rowstat(), fake_stream())
     post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
@@ -274,7 +294,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
         main_args = main_args[:-1] + fake_score_mods(*mods) + fake_dropout_args(dropout) + main_args[-1:]
         entry = "call_with_mods"
     config = Sm80BwdConfig(cdtype, head_dim, causal, deterministic, **tiles, **_mod_fields(causal, mods, dropout),
-                           varlen=varlen)
+                           varlen=varlen, tf32_products=tf32_products)
     return BackwardPlan(
         pre=pre,
         main=Plan(FlashAttnBwdSm80, config, main_args, arch, signature=(("dkv_dtype", dkv_dtype),), entry=entry),

@@ -42,13 +42,14 @@ _forward_kernels: dict[tuple, object] = {}
 _backward_kernels: dict[tuple, object] = {}
 
 
-def _plan_forward(capability, dtype, head_dim, causal, mods):
-    return forward_launcher(dispatch.plan_forward(capability, dtype, head_dim, causal, mods=mods, varlen=True))
+def _plan_forward(capability, dtype, head_dim, causal, mods, tf32_products):
+    return forward_launcher(dispatch.plan_forward(capability, dtype, head_dim, causal, mods=mods, varlen=True,
+                                                  tf32_products=tf32_products))
 
 
-def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods):
+def _plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods, tf32_products):
     return backward_varlen_launcher(dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa,
-                                                           mods=mods, varlen=True))
+                                                           mods=mods, varlen=True, tf32_products=tf32_products))
 
 
 def _prepare(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window_size, softcap,
@@ -83,7 +84,7 @@ def forward_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     with _on(device):
         launch = _launcher(_forward_kernels, _plan_forward, device, q.dtype, problem.head_dim, mods.causal,
-                           mods.flags)
+                           mods.flags, dispatch.tf32_products_for(q.dtype))
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(problem.nheads, problem.total_q, dtype=torch.float32, device=device)
         q_k, scale_k = _uniform_scores(q, scale)
@@ -118,7 +119,7 @@ def backward_varlen(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seq
                  for grad, like in ((dq, q), (dk, k), (dv, v))]
         gqa = problem.nheads != problem.nheads_kv
         launch = _launcher(_backward_kernels, _plan_backward, device, q.dtype, problem.head_dim, mods.causal,
-                           deterministic, gqa, mods.flags)
+                           deterministic, gqa, mods.flags, dispatch.tf32_products_for(q.dtype))
         q_k, scale_k = _uniform_scores(q, scale)
         launch(kernel_input(dout), q_k, kernel_input(k), kernel_input(v), kernel_input(out), kernel_input(lse, 4),
                *grads, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max(problem.max_seqlen_q, 1),

@@ -6,7 +6,9 @@ ties away: `cvt.rna.tf32.f32`) and lo = tf32(x - hi); then
 
     a b  ~  a_hi b_hi + a_hi b_lo + a_lo b_hi        (the dropped a_lo b_lo is ~2^-22 relative)
 
-three m16n8k8 TF32 MMAs into one fp32 accumulator per pair of fragments.
+three m16n8k8 TF32 MMAs into one fp32 accumulator per pair of fragments. With one product
+(`products=1`: torch.get_float32_matmul_precision() "high" or "medium", as torch's own fp32
+matmuls take it) only a_hi b_hi runs: plain TF32, ~2^-11 relative per product, a third of the MMAs.
 
     tiled_mma_tf32(atoms_m, atoms_n) -> cute.TiledMma
         m16n8k8 TF32 mma.sync over atoms_m x atoms_n warps, with each k8 step's k index permuted so
@@ -22,16 +24,17 @@ three m16n8k8 TF32 MMAs into one fp32 accumulator per pair of fragments.
     split_tf32(src, hi, lo)
         hi, lo <- the split of the fp32 fragment src (TFloat32 fragments of the same size).
 
-    gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=None, tCrA=None, fresh_sum=False)
-        acc += A @ B^T, three TF32 products per k step; fresh_sum sums them apart from acc first
+    gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=None, tCrA=None, fresh_sum=False, products=3)
+        acc += A @ B^T, three TF32 products per k step (one with products=1); fresh_sum sums them apart from acc first
         (for accumulators carried across query blocks: dK, dV). B (and A unless tCrA, the fp32 A fragment
         in registers, is given) is read from smem through the MMA's own partition
         (thr_mma.partition_A / partition_B of the smem tile): 32-bit loads, conflict-free on the
         32-bit swizzle of `layouts.smem_layout_atom`.
 
-    MmaOperandReader(thr_mma, "A" or "B")
+    MmaOperandReader(thr_mma, "A" or "B", products=3)
         Stands where a kernel holds an ldmatrix copy for 16-bit operands: its partition_S(tile) is
-        the MMA's own partition of the smem tile, the view gemm_split_tf32 reads.
+        the MMA's own partition of the smem tile, the view gemm_split_tf32 reads; it carries the
+        product count for the GEMMs that read through it.
 
     round_tf32(x) -> Float32
         x rounded to TF32 (low 13 mantissa bits zero), as an fp32 value.
@@ -73,10 +76,11 @@ def acc_as_frgA(acc: cute.Tensor) -> cute.Tensor:
 
 
 class MmaOperandReader:
-    def __init__(self, thr_mma, operand: str):
-        assert operand in ("A", "B")
+    def __init__(self, thr_mma, operand: str, products: int = 3):
+        assert operand in ("A", "B") and products in (1, 3)
         self.thr_mma = thr_mma
         self.operand = operand
+        self.products = products
 
     def partition_S(self, tile: cute.Tensor) -> cute.Tensor:
         if self.operand == "A":
@@ -108,6 +112,14 @@ def _split_fragment(x: cute.Tensor):
 
 
 @cute.jit
+def _round_fragment(x: cute.Tensor):
+    hi = cute.make_rmem_tensor(x.shape, TFloat32)
+    for i in cutlass.range_constexpr(cute.size(x)):
+        hi[i] = TFloat32(round_tf32(x[i]))
+    return hi
+
+
+@cute.jit
 def _load_split(tCsX_k: cute.Tensor):
     x = cute.make_rmem_tensor(tCsX_k.shape, Float32)
     cute.autovec_copy(tCsX_k, x)
@@ -115,8 +127,16 @@ def _load_split(tCsX_k: cute.Tensor):
 
 
 @cute.jit
+def _load_rounded(tCsX_k: cute.Tensor):
+    x = cute.make_rmem_tensor(tCsX_k.shape, Float32)
+    cute.autovec_copy(tCsX_k, x)
+    return _round_fragment(x)
+
+
+@cute.jit
 def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tensor,
-                    tCsA: cute.Tensor | None = None, tCrA: cute.Tensor | None = None, fresh_sum: bool = False):
+                    tCsA: cute.Tensor | None = None, tCrA: cute.Tensor | None = None, fresh_sum: bool = False,
+                    products: cutlass.Constexpr[int] = 3):
     # The tensor cores add into their fp32 accumulator without rounding to nearest, an error that
     # grows with every product added, one way: an accumulator carried over thousands of keys (dK,
     # dV) drifts by ~1e-4 of its size. With fresh_sum this call's products go into a zeroed
@@ -135,16 +155,25 @@ def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tenso
     target_chunks = cute.logical_divide(target, (None, None, chunk))
     tCsB_chunks = cute.logical_divide(tCsB, (None, chunk, None))
     for k in cutlass.range_constexpr(cute.size(tCsB, mode=[2])):
-        if cutlass.const_expr(tCrA is not None):
-            a_hi, a_lo = _split_fragment(tCrA[None, None, k])
+        if cutlass.const_expr(products == 1):  # plain TF32: the operands rounded, one product
+            if cutlass.const_expr(tCrA is not None):
+                a_hi = _round_fragment(tCrA[None, None, k])
+            else:
+                a_hi = _load_rounded(tCsA[None, None, k])
+            for j in cutlass.range_constexpr(num_n // chunk):
+                acc_j = target_chunks[None, None, (None, j)]
+                cute.gemm(tiled_mma, acc_j, a_hi, _load_rounded(tCsB_chunks[None, (None, j), k]), acc_j)
         else:
-            a_hi, a_lo = _load_split(tCsA[None, None, k])
-        for j in cutlass.range_constexpr(num_n // chunk):
-            b_hi, b_lo = _load_split(tCsB_chunks[None, (None, j), k])
-            acc_j = target_chunks[None, None, (None, j)]
-            # small terms first: they are added before the large one moves the accumulator
-            cute.gemm(tiled_mma, acc_j, a_lo, b_hi, acc_j)
-            cute.gemm(tiled_mma, acc_j, a_hi, b_lo, acc_j)
-            cute.gemm(tiled_mma, acc_j, a_hi, b_hi, acc_j)
+            if cutlass.const_expr(tCrA is not None):
+                a_hi, a_lo = _split_fragment(tCrA[None, None, k])
+            else:
+                a_hi, a_lo = _load_split(tCsA[None, None, k])
+            for j in cutlass.range_constexpr(num_n // chunk):
+                b_hi, b_lo = _load_split(tCsB_chunks[None, (None, j), k])
+                acc_j = target_chunks[None, None, (None, j)]
+                # small terms first: they are added before the large one moves the accumulator
+                cute.gemm(tiled_mma, acc_j, a_lo, b_hi, acc_j)
+                cute.gemm(tiled_mma, acc_j, a_hi, b_lo, acc_j)
+                cute.gemm(tiled_mma, acc_j, a_hi, b_hi, acc_j)
     if cutlass.const_expr(fresh_sum):
         acc.store(acc.load() + target.load())

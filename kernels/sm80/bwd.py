@@ -76,7 +76,7 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B, carried=Fals
     operands (s2r_A, s2r_B are MmaOperandReaders) by split TF32, summed apart from acc first where
     acc is `carried` across query blocks (dK, dV: tf32.gemm_split_tf32's fresh_sum)."""
     if cutlass.const_expr(isinstance(s2r_A, MmaOperandReader)):
-        gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=tCsA, fresh_sum=carried)
+        gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=tCsA, fresh_sum=carried, products=s2r_A.products)
         return
     tCrA_view = s2r_A.retile(tCrA)
     tCrB_view = s2r_B.retile(tCrB)
@@ -469,8 +469,11 @@ class FlashAttnBwdSm80:
 
         if cutlass.const_expr(self.fp32):
             # split TF32 reads its operands itself, through the MMA's partitions (32-bit loads)
-            s2r_sdp_A, s2r_dkv_A, s2r_dq_A = (MmaOperandReader(t, "A") for t in (thr_mma_sdp, thr_mma_dkv, thr_mma_dq))
-            s2r_sdp_B, s2r_dkv_B, s2r_dq_B = (MmaOperandReader(t, "B") for t in (thr_mma_sdp, thr_mma_dkv, thr_mma_dq))
+            products = self.cfg.tf32_products
+            s2r_sdp_A, s2r_dkv_A, s2r_dq_A = (MmaOperandReader(t, "A", products)
+                                              for t in (thr_mma_sdp, thr_mma_dkv, thr_mma_dq))
+            s2r_sdp_B, s2r_dkv_B, s2r_dq_B = (MmaOperandReader(t, "B", products)
+                                              for t in (thr_mma_sdp, thr_mma_dkv, thr_mma_dq))
         else:
             # smem -> register copies: ldmatrix, transposed where the operand's k is not contiguous.
             ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)

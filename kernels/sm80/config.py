@@ -43,6 +43,9 @@ class Sm80FwdConfig:
     # Packed variable-length batches: q, k, v (1, total tokens, heads, head_dim), sequences at the
     # offsets of cu_seqlens (int32, read on the device); the kernel's `call_varlen` entry point.
     varlen: bool = False
+    # fp32 only: TF32 products per pair of operands (kernels/common/tf32.py): 3 (split TF32,
+    # fp32-grade) or 1 (plain TF32: torch.get_float32_matmul_precision() "high" / "medium")
+    tf32_products: int = 3
 
     @property
     def has_mods(self) -> bool:
@@ -69,6 +72,7 @@ class Sm80BwdConfig:
     alibi: bool = False
     dropout: bool = False  # the same mask as the forward's, regenerated
     varlen: bool = False  # as Sm80FwdConfig; the workspaces are packed (layouts.packed_stat_offset)
+    tf32_products: int = 3  # as Sm80FwdConfig
 
     @property
     def has_mods(self) -> bool:

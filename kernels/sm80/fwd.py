@@ -589,7 +589,7 @@ class FlashAttnFwdSm80:
         # S = Q K^T
         tSsK_cur = tSsK[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_S, tSsK_cur, tCsA=tSsQ)
+            gemm_split_tf32(tiled_mma, acc_S, tSsK_cur, tCsA=tSsQ, products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K,
                       tSsQ, smem_thr_copy_Q)
@@ -637,7 +637,7 @@ class FlashAttnFwdSm80:
         # O += P V
         tOsVt_cur = tOsVt[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_O, tOsVt_cur, tCrA=tOrP)
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt_cur, tCrA=tOrP, products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
 

@@ -80,6 +80,42 @@ def test_sm80_fwd_fp32_sm90a_tiles_compile_without_spills(head_dim, causal, monk
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_plain_tf32_runs_a_third_of_the_products(arch, monkeypatch):
+    """tf32_products=1 (torch's fp32 matmul precision "high" / "medium"): one TF32 product per
+    operand pair in the forward and the backward, spill-free; the split kernels keep three."""
+    import torch
+
+    from cute_flash import dispatch
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    capability = (9, 0) if arch == "sm_90a" else (8, 0)
+    mma = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+    for plan_of in (lambda n: dispatch.plan_forward(capability, torch.float32, 64, True, family="sm80", tf32_products=n),
+                    lambda n: dispatch.plan_backward(capability, torch.float32, 64, False, family="sm80",
+                                                     tf32_products=n).main):
+        reports = {n: compile_report(*plan_of(n).build(), arch=arch) for n in (1, 3)}
+        assert reports[1].ptx.count(mma) * 3 == reports[3].ptx.count(mma) > 0
+        assert reports[1].spill_bytes == 0, f"{reports[1].registers} registers, {reports[1].spill_bytes} B spilled"
+    with pytest.raises(ValueError, match="tf32_products"):
+        dispatch.plan_forward(capability, torch.bfloat16, 64, True, family="sm80", tf32_products=1)
+
+
+def test_tf32_products_follow_torchs_fp32_matmul_precision():
+    import torch
+
+    from cute_flash import dispatch
+
+    saved = torch.get_float32_matmul_precision()
+    try:
+        for precision, products in (("highest", 3), ("high", 1), ("medium", 1)):
+            torch.set_float32_matmul_precision(precision)
+            assert dispatch.tf32_products_for(torch.float32) == products
+            assert dispatch.tf32_products_for(torch.bfloat16) == 3
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 def test_default_tiles_fit_every_head_dim():
     for arch in ("sm_80", "sm_86", "sm_89"):
         for dtype in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):

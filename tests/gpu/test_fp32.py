@@ -118,3 +118,28 @@ def test_autograd_and_flash_attn_interface():
     out = cute_flash.flash_attn_func(q, k, v, softmax_scale=0.3)
     out.sum().backward()
     assert all(t.grad.dtype == torch.float32 and torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torchs_tf32_precision_setting_runs_plain_tf32(causal):
+    """torch.set_float32_matmul_precision("high") lets our fp32 kernels run one TF32 product per
+    pair, as torch's fp32 matmuls do: errors of TF32's order (2^-11 relative per product), above
+    the split kernels' on the same inputs; "highest" (the default) keeps split TF32."""
+    q, k, v, dout = (randn(2, 300, 4, 64, dtype=torch.float32) for _ in range(4))
+    ref_out, _ = reference_attention(q, k, v, causal=causal)
+    ref_grads = reference_grads(dout, q, k, v, 64 ** -0.5, causal)
+    errors = {}
+    saved = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            out, _ = run_forward(q, k, v, causal)
+            grads = run_backward(q, k, v, dout, causal)
+            errors[precision] = [_max_err(out, ref_out)] + [_max_err(g, r) for g, r in zip(grads, ref_grads)]
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    print(f"plain TF32 {errors['high']}, split TF32 {errors['highest']}")
+    assert errors["highest"][0] < FP32_OUT_TOLERANCE and max(errors["highest"][1:]) < FP32_GRAD_TOLERANCE
+    assert errors["high"][0] < 1e-2 and max(errors["high"][1:]) < 5e-2  # TF32's order, not a failure
+    assert errors["high"][0] > 4 * errors["highest"][0]  # the setting was honoured
+
