@@ -338,7 +338,8 @@ class DecodePlan:
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                 page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS, leftpad: bool = False,
-                deep: bool = False, narrow: bool = False, warps_along_keys: bool = False) -> DecodePlan:
+                deep: bool = False, narrow: bool = False, warps_along_keys: bool = False,
+                tf32_products: int = 3) -> DecodePlan:
     """The decode kernels (kernels/sm80/decode.py, decode_combine.py): one family for every GPU
     from sm_80 on, since decoding is bound by memory bandwidth, which mma.sync and cp.async reach on
     Hopper too. `page_size` 0 is a contiguous cache; a paged cache compiles per page size. `mods`
@@ -350,6 +351,7 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
 
+    _check_tf32_products(dtype, tf32_products)
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     tiles = FlashDecodeSm80.default_tiles(head_dim, fp32=cdtype is cutlass.Float32)
@@ -377,7 +379,8 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
                     cutlass.Int32(2), fake_stream())
     return DecodePlan(
         main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles, window=window,
-                                                    softcap=softcap, alibi=alibi, leftpad=leftpad),
+                                                    softcap=softcap, alibi=alibi, leftpad=leftpad,
+                                                    tf32_products=tf32_products),
                   main_args, arch, entry=entry),
         combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim, MAX_SPLITS), combine_args, arch),
     )

@@ -40,11 +40,13 @@ _arange: dict[tuple[int, int], torch.Tensor] = {}
 def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size: int, mods: tuple[bool, bool, bool],
             leftpad: bool, deep: bool, narrow: bool, warps_along_keys: bool):
     capability = devices.capability(device.index)
-    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow, warps_along_keys)
+    tf32_products = dispatch.tf32_products_for(dtype)
+    key = (device.index, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow, warps_along_keys,
+           tf32_products)
     kept = _launchers.get(key)
     if kept is None:
         plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow,
-                                    warps_along_keys)
+                                    warps_along_keys, tf32_products)
         deep_plan = plan.main.config.num_stages == dispatch.DECODE_DEEP_STAGES
         kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n,
                                   1 if deep_plan else dispatch.DECODE_CTAS_PER_SM)

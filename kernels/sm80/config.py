@@ -291,6 +291,7 @@ class Sm80DecodeConfig:
     softcap: bool = False
     alibi: bool = False
     leftpad: bool = False  # each sequence's keys start at its cache_leftpad position
+    tf32_products: int = 3  # fp32 caches: as Sm80FwdConfig
 
 
 @dataclass(frozen=True)

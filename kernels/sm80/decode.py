@@ -464,7 +464,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         load_kv(mV, tVsV, n_block - (self.num_stages - 1), smem_write)
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_S, tSsK[None, None, None, smem_read], tCsA=tSsQ)
+            gemm_split_tf32(tiled_mma, acc_S, tSsK[None, None, None, smem_read], tCsA=tSsQ,
+                            products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
                       tSsQ, smem_thr_copy_Q)
@@ -482,7 +483,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         load_kv(mK, tKsK, n_block - self.num_stages, self._advance(smem_write))
         cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_O, tOsVt[None, None, None, smem_read], tCrA=tOrP)
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt[None, None, None, smem_read], tCrA=tOrP,
+                            products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, smem_read], smem_thr_copy_V)
 

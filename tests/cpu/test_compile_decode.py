@@ -141,6 +141,16 @@ def test_fp32_decode_compiles_without_spills(monkeypatch, arch, head_dim, page_s
     assert _compile(plan.combine, arch).spill_bytes == 0
 
 
+def test_fp32_decode_with_plain_tf32_runs_a_third_of_the_products(monkeypatch):
+    """tf32_products=1 (torch's fp32 matmul precision "high" / "medium", kvcache's _decode)."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    mma = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+    reports = {n: _compile(dispatch.plan_decode((9, 0), torch.float32, 128, False, tf32_products=n).main, "sm_90a")
+               for n in (1, 3)}
+    assert reports[1].ptx.count(mma) * 3 == reports[3].ptx.count(mma) > 0
+    assert reports[1].spill_bytes == 0
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
 def test_combine_compiles(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)

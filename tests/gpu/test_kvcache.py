@@ -245,6 +245,29 @@ def test_many_row_tiles_take_warps_along_keys(heads, seqlen_q, head_dim, page_si
                alibi_slopes=_slopes(batch, heads[0], True))
 
 
+def test_fp32_cache_follows_torchs_tf32_precision():
+    """torch.set_float32_matmul_precision("high"): plain TF32 in the decode kernel, within TF32's
+    error order against float64 and coarser than split TF32's on the same call."""
+    lengths = torch.tensor([700, 311], dtype=torch.int32)
+    cache = Cache(2, 2, 128, 800, torch.float32, lengths=lengths)
+    q = randn(2, 1, 8, 128, dtype=torch.float32)
+    outs = {}
+    saved = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("high", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            outs[precision] = flash_attn_with_kvcache(q, cache.k, cache.v, cache_seqlens=lengths.cuda())
+    finally:
+        torch.set_float32_matmul_precision(saved)
+    errors = {}
+    for precision, out in outs.items():
+        errors[precision] = max(
+            (out[b : b + 1].double() - cute_flash.reference_attention(
+                q[b : b + 1], cache.sequence(cache.k, b, int(n)), cache.sequence(cache.v, b, int(n)))[0]).abs().max().item()
+            for b, n in enumerate(lengths))
+    assert errors["highest"] < 1e-4 and errors["high"] < 1e-2 and errors["high"] > 4 * errors["highest"], errors
+
+
 def test_fp16_head_dim_64_odd_page():
     check_call(4, 4, (8, 2), 64, 700, True, dtype=torch.float16, page_size=48)
 
