@@ -329,6 +329,8 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     from .kernels.sm80.decode import FlashDecodeSm80
     from .kernels.sm80.decode_combine import FlashDecodeCombineSm80
 
+    if dtype == torch.float32:  # validate.check_kvcache says so to callers first
+        raise UnsupportedDtypeError("the decode kernel takes torch.float16 or torch.bfloat16, got torch.float32")
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     tiles = FlashDecodeSm80.default_tiles(head_dim)
