@@ -35,15 +35,27 @@ def forward_variants(dtypes, head_dims, causals):
 
 def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: bool, gqa: bool = False):
     """(label, cache key, build, key instructions) of every kernel one variant runs on `arch`, as
-    dispatch plans it: the forward kernel of each length class, or the backward's preprocess, main
-    and postprocess kernels. Runs in worker processes, which rebuild everything from these plain
-    values."""
+    dispatch plans it: the forward kernel of each length class, the backward's preprocess, main
+    and postprocess kernels, or flash_attn_with_kvcache's decode kernel in each CTA shape dispatch
+    picks by call shape (contiguous cache, no score modifications) and the split merge. Runs in
+    worker processes, which rebuild everything from these plain values."""
     import torch
 
     from . import dispatch
     from .device import capability_of
 
     capability, torch_dtype = capability_of(arch), getattr(torch, dtype)
+    if pass_name == "decode":
+        builds = {}
+        for shape in ("default", "deep", "narrow", "keys"):
+            plan = dispatch.plan_decode(capability, torch_dtype, head_dim, causal, deep=shape == "deep",
+                                        narrow=shape == "narrow", warps_along_keys=shape == "keys",
+                                        tf32_products=dispatch.tf32_products_for(torch_dtype))
+            label = f"decode/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{shape}"
+            builds.setdefault(plan.main.key, (label, plan.main.key, plan.main.build, _key_instructions("sm80", dtype)))
+        combine = plan.combine
+        builds[combine.key] = (f"decode/combine/{dtype}/d{head_dim}", combine.key, combine.build, ())
+        return list(builds.values())
     if pass_name == "fwd":
         builds = {}
         # A kernel may launch differently per length class; the first class that launches a
@@ -88,7 +100,7 @@ DTYPE_SPELLINGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16"
                    "half": "float16", "fp32": "float32", "float32": "float32", "float": "float32"}
 # The names result files use.
 SHORT_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
-KERNEL_PASSES = ("fwd", "bwd")
+KERNEL_PASSES = ("fwd", "bwd", "decode")
 
 
 def dtype_arg(text: str) -> str:
@@ -123,7 +135,15 @@ def head_dim_arg(text: str) -> int:
 
 def pass_arg(text: str) -> str:
     if text not in KERNEL_PASSES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a pass: use fwd, bwd or fwd,bwd")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a pass: use fwd, bwd, decode or a comma list of them")
+    return text
+
+
+def export_pass_arg(text: str) -> str:
+    """pass_arg for the C library, which holds the forward and the backward (an argparse type)."""
+    if pass_arg(text) == "decode":
+        raise argparse.ArgumentTypeError("the C library holds the forward and the backward: use fwd, bwd or fwd,bwd "
+                                         "(flash_attn_with_kvcache's decode kernels have no C entry point)")
     return text
 
 
@@ -196,6 +216,8 @@ def _check_one(arch: str, variant, pass_name: str):
     rows = []
     for label, _key, build, expected in kernel_builds(arch, pass_name, *variant):
         if pass_name == "bwd" and variant[2] and "/main/" not in label:
+            continue
+        if pass_name == "decode" and variant[2] and "/combine/" in label:
             continue
         kernel, fake_args = build()
         report = compile_report(kernel, fake_args, arch=arch)
@@ -326,6 +348,8 @@ def cmd_warmup(args) -> int:
     if "bwd" in args.passes:
         gqas = (False, True) if args.gqa else (False,)
         tasks += [((d, h, c, g), "bwd") for d, h, c in forward_variants(dtypes, head_dims, (False, True)) for g in gqas]
+    if "decode" in args.passes:
+        tasks += [(variant, "decode") for variant in forward_variants(dtypes, head_dims, (False, True))]
     print(f"warmup: {len(tasks)} variants for {arch} in {min(args.jobs, len(tasks))} processes", file=sys.stderr, flush=True)
     progress = Progress("warmup", len(tasks))
     failed = []
@@ -451,7 +475,7 @@ def _add_export_parser(sub) -> None:
                    help="comma list of multiples of 8 up to 256; default: 64,128")
     p.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default="both",
                    help="causal variants, non-causal ones or both (default)")
-    p.add_argument("--passes", type=comma_list(pass_arg), default="fwd,bwd", help="fwd, bwd or fwd,bwd (default)")
+    p.add_argument("--passes", type=comma_list(export_pass_arg), default="fwd,bwd", help="fwd, bwd or fwd,bwd (default)")
     p.add_argument("--gqa", choices=tuple(CAUSAL_CHOICES), default="both",
                    help="backward for kv_heads < heads (yes), for kv_heads == heads (no) or both (default); "
                         "the grouped-query kernels also serve kv_heads == heads, more slowly")
@@ -489,7 +513,9 @@ def build_parser() -> ArgumentParser:
         p.add_argument("--jobs", type=jobs_arg, default=os.cpu_count() or 2,
                        help="compiles at once (default: one per CPU core)")
         p.add_argument("--passes", type=comma_list(pass_arg), default="fwd,bwd" if name == "warmup" else "fwd",
-                       help="fwd, bwd or fwd,bwd (the backward kernels of the family dispatch picks for each head dim)")
+                       help="fwd, bwd, decode or a comma list of them (the backward kernels of the family "
+                            "dispatch picks for each head dim; decode: flash_attn_with_kvcache's kernels for a "
+                            "contiguous cache)")
         if name == "warmup":
             p.add_argument("--gqa", action="store_true", help="also the grouped-query backward variants")
     p = sub.add_parser("layouts", help="the layouts, atoms and copies a dispatched kernel builds (docs/layouts.md)")

@@ -45,7 +45,7 @@ def test_version(capsys):
     (["check", "--head-dims", "64,x"], "'x' is not a head dim"),
     (["export", "-o", "x", "--dtypes", "fp64"], "argument --dtypes: 'fp64' is not an element type"),
     (["check", "--dtypes", "int8"], "'int8' is not an element type: use bf16 (bfloat16), fp16 (float16, half) or fp32"),
-    (["check", "--passes", "fwdbwd"], "'fwdbwd' is not a pass: use fwd, bwd or fwd,bwd"),
+    (["check", "--passes", "fwdbwd"], "'fwdbwd' is not a pass: use fwd, bwd, decode or a comma list of them"),
     (["check", "--jobs", "0"], "'0' is not a number of processes"),
     ([], "cute-flash: error: the following arguments are required: command"),
 ])
@@ -155,3 +155,17 @@ def test_check_covers_the_backward_kernels(capsys):
                               "bwd/post/sm80/float16/d64", "bwd/pre/sm80/float16/d64"]
     assert labels[-1] == "bwd/main/sm80/float16/d64/causal"
     assert "mma.sync=" in out and "4 kernels, 0 with spills" in out
+
+
+def test_check_covers_the_decode_kernels(capsys):
+    """--passes decode: flash_attn_with_kvcache's kernels in each CTA shape dispatch may pick (the
+    deep one only where the target holds it) and the split merge, reported once per head dim."""
+    code = cli.main(["check", "--arch", "sm_80", "--head-dims", "128", "--dtypes", "bf16", "--passes", "decode",
+                     "--jobs", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    labels = [line.split()[0] for line in out.splitlines() if line.startswith("decode/")]
+    assert sorted(labels) == sorted(f"decode/bfloat16/d128/{c}/{s}" for c in ("full", "causal")
+                                    for s in ("default", "deep", "narrow", "keys")) + ["decode/combine/bfloat16/d128"]
+    assert "mma.sync=" in out and "9 kernels, 0 with spills" in out
+

@@ -693,6 +693,7 @@ def test_export_flags_choose_the_backward_variants(tmp_path, monkeypatch, flags,
     (["export", "--arch", "sm_75", "-o", "x"], "the CuTe DSL cannot target sm_75"),
     (["export", "--dtypes", "int8", "-o", "x"], "'int8' is not an element type"),
     (["export", "--causal", "maybe", "-o", "x"], "invalid choice: 'maybe'"),
+    (["export", "--passes", "decode", "-o", "x"], "the C library holds the forward and the backward"),
     (["export", "--gqa", "1", "-o", "x"], "invalid choice: '1'"),
     (["export", "--deterministic", "true", "-o", "x"], "invalid choice: 'true'"),
 ])
