@@ -43,10 +43,10 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import warp
 
 from ..common.blocks import split_block_range
-from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
+from ..common.layouts import reshape_acc_to_mn, transpose_view
 from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
-from ..common.tf32 import acc_as_frgA, gemm_split_tf32
+from ..common.tf32 import gemm_split_tf32
 from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
 from .fwd import FlashAttnFwdSm80, gemm_sm80, tiled_mma_sm80
 
@@ -472,12 +472,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         self._mask(acc_S, thr_mma, m_block, n_block, warp_key0, seqlen_q, seqlen_k, group, mods)
         row_scale = softmax.online_softmax(acc_S, is_first=False, check_inf=True)
         softmax.rescale_O_if_needed(acc_O, row_scale)
-        if cutlass.const_expr(self.fp32):
-            tOrP = acc_as_frgA(acc_S)  # P stays fp32, split per k step of P V
-        else:
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            tOrP = reshape_acc_to_frgA(rP)
+        tOrP, _ = self._p_operand(acc_S)
         cute.arch.cp_async_wait_group(wait_groups)
         cute.arch.barrier()  # V[n_block] landed; every warp done with K[smem_read]
         load_kv(mK, tKsK, n_block - self.num_stages, self._advance(smem_write))

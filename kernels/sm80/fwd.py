@@ -616,12 +616,7 @@ class FlashAttnFwdSm80:
                                            check_inf=mask_seqlen or mask_causal or self.causal or self.window)
         if cutlass.const_expr(not is_first):
             softmax.rescale_O_if_needed(acc_O, row_scale)
-        if cutlass.const_expr(self.fp32):
-            tOrP = acc_as_frgA(acc_S)  # P stays fp32, split per k step of P V
-        else:
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
-            rP.store(acc_S.load().to(self.dtype))
-            tOrP = reshape_acc_to_frgA(rP)
+        tOrP, rP = self._p_operand(acc_S)
         if cutlass.const_expr(self.dropout):
             # After the row sums took P: dropped probabilities leave P V only. On the 16-bit P (half
             # the registers of the fp32 one) while the Philox rounds run.
@@ -640,6 +635,15 @@ class FlashAttnFwdSm80:
             gemm_split_tf32(tiled_mma, acc_O, tOsVt_cur, tCrA=tOrP, products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
+
+    def _p_operand(self, acc_S):
+        """P as the A operand of P V, and its 16-bit copy: fp32 P stays in the S accumulator (split
+        per k step of P V), no copy; else P rounded to the input dtype."""
+        if cutlass.const_expr(self.fp32):
+            return acc_as_frgA(acc_S), None
+        rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        return reshape_acc_to_frgA(rP), rP
 
     @cute.jit
     def _advance(self, stage):
