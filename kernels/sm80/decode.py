@@ -41,7 +41,7 @@ from ..common.blocks import split_block_range
 from ..common.layouts import reshape_acc_to_frgA, reshape_acc_to_mn, transpose_view
 from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
-from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
+from .config import Sm80DecodeConfig
 from .fwd import FlashAttnFwdSm80, gemm_sm80
 
 PAGE_MULTIPLE = 16
@@ -79,8 +79,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             return False
         if num_stages < 2:  # the loop issues V[n - 1] and K[n - 2] ahead
             return False
-        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, num_warps, num_stages) and (
-            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages) <= SMEM_CAPACITY_SM80)
+        # the forward's rules, its shared memory check (sm_80's 163 KB) included
+        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, num_warps, num_stages)
 
     # ------------------------------------------------------------------------------------------
     # host side
