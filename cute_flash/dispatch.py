@@ -335,6 +335,12 @@ class DecodePlan:
     def tile_n(self) -> int:
         return self.main.config.tile_n
 
+    @property
+    def ctas_per_sm(self) -> int:
+        """Decode CTAs resident per SM, the wave decode_splits counts in: one deep CTA, else
+        DECODE_CTAS_PER_SM."""
+        return 1 if self.main.config.num_stages == DECODE_DEEP_STAGES else DECODE_CTAS_PER_SM
+
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
                 page_size: int = 0, mods: tuple[bool, bool, bool] = NO_MODS, leftpad: bool = False,
@@ -358,7 +364,8 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     if deep and capability in DECODE_DEEP_CAPABILITIES and FlashDecodeSm80.can_implement(
             cdtype, head_dim, causal, page_size, **dict(tiles, num_stages=DECODE_DEEP_STAGES)):
         tiles["num_stages"] = DECODE_DEEP_STAGES
-    if narrow and FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size, **dict(tiles, **DECODE_NARROW_TILE)):
+    if narrow and FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size,
+                                                **dict(tiles, **DECODE_NARROW_TILE)):
         tiles.update(DECODE_NARROW_TILE)
     if warps_along_keys and FlashDecodeSm80.can_implement(cdtype, head_dim, causal, page_size,
                                                           **dict(tiles, **DECODE_KEYS_TILE)):
@@ -406,7 +413,12 @@ def decode_is_deep(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_
     head, its query rows in one tile), only the splits spread it over the GPU, and each CTA's
     pipeline fill is what it waits on. With more row tiles the 2-stage CTAs, two per SM, won
     (DECODE_DEEP_STAGES)."""
-    return batch * nheads_kv * -(-seqlen_q * (nheads // nheads_kv) // _decode_tile_rows(head_dim)) == 1
+    return batch * nheads_kv * -(-_packed_rows(nheads, nheads_kv, seqlen_q) // _decode_tile_rows(head_dim)) == 1
+
+
+def _packed_rows(nheads: int, nheads_kv: int, seqlen_q: int) -> int:
+    """A (sequence, KV head)'s packed query rows: each query position times its group of heads."""
+    return seqlen_q * (nheads // nheads_kv)
 
 
 @lru_cache(maxsize=None)
@@ -415,6 +427,7 @@ def _decode_tile_rows(head_dim: int) -> int:
     from .kernels.sm80.decode import FlashDecodeSm80
 
     return FlashDecodeSm80.default_tiles(head_dim)["tile_m"]
+
 
 DECODE_NARROW_TILE = dict(tile_m=32, num_warps=2)
 """The decode CTA's rows and warps where a tile of 64 rows (4 warps) would be mostly padding: each
@@ -429,7 +442,7 @@ def decode_is_narrow(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, num
     """Whether a decode call takes DECODE_NARROW_TILE: each (sequence, KV head)'s packed rows fit
     one narrow tile (more tiles would read its keys once each), and the call's tiles number more
     than one (one is decode_is_deep's) and fewer than the SMs."""
-    rows = seqlen_q * (nheads // nheads_kv)
+    rows = _packed_rows(nheads, nheads_kv, seqlen_q)
     return rows <= DECODE_NARROW_TILE["tile_m"] and 1 < batch * nheads_kv < num_sms
 
 

@@ -47,9 +47,7 @@ def _decode(device: torch.device, dtype, head_dim: int, causal: bool, page_size:
     if kept is None:
         plan = dispatch.plan_decode(capability, dtype, head_dim, causal, page_size, mods, leftpad, deep, narrow,
                                     warps_along_keys, tf32_products)
-        deep_plan = plan.main.config.num_stages == dispatch.DECODE_DEEP_STAGES
-        kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n,
-                                  1 if deep_plan else dispatch.DECODE_CTAS_PER_SM)
+        kept = _launchers[key] = (decode_launcher(plan), plan.tile_m, plan.tile_n, plan.ctas_per_sm)
     return kept
 
 

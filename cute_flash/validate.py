@@ -391,8 +391,6 @@ def _require_int32_tensor(name: str, t, shape: tuple[int, ...], axes: str) -> No
         raise DimensionMismatchError(f"{name} must have shape {shape} {axes}, got {tuple(t.shape)}")
 
 
-
-
 def _check_num_splits(num_splits) -> int:
     if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral):
         raise InvalidDimensionError(f"num_splits must be an int, got {type(num_splits).__name__} {num_splits!r}")

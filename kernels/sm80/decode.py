@@ -47,7 +47,7 @@ from ..common.layouts import reshape_acc_to_mn, transpose_view
 from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import gemm_split_tf32
-from .config import SMEM_CAPACITY_SM80, Sm80DecodeConfig
+from .config import Sm80DecodeConfig
 from .fwd import FlashAttnFwdSm80, gemm_sm80, tiled_mma_sm80
 
 PAGE_MULTIPLE = 16
@@ -104,8 +104,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                     or num_warps * 16 * 4 > tile_n * 2 * num_stages):
                 return False
             mma_warps = 1
-        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, mma_warps, num_stages) and (
-            FlashAttnFwdSm80.smem_bytes(head_dim, tile_m, tile_n, num_stages, dtype) <= SMEM_CAPACITY_SM80)
+        # the forward's rules, its shared memory check (sm_80's 163 KB) included
+        return FlashAttnFwdSm80.can_implement(dtype, head_dim, causal, tile_m, tile_n, mma_warps, num_stages)
 
     # ------------------------------------------------------------------------------------------
     # host side
