@@ -47,9 +47,9 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
     capability, torch_dtype = capability_of(arch), getattr(torch, dtype)
     if pass_name == "decode":
         builds = {}
-        for shape in ("default", "deep", "narrow", "keys"):
-            plan = dispatch.plan_decode(capability, torch_dtype, head_dim, causal, deep=shape == "deep",
-                                        narrow=shape == "narrow", warps_along_keys=shape == "keys",
+        for shape in ("default", "deep", "narrow", "keys", "deep-keys"):
+            plan = dispatch.plan_decode(capability, torch_dtype, head_dim, causal, deep=shape.startswith("deep"),
+                                        narrow=shape == "narrow", warps_along_keys=shape.endswith("keys"),
                                         tf32_products=dispatch.tf32_products_for(torch_dtype))
             label = f"decode/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{shape}"
             builds.setdefault(plan.main.key, (label, plan.main.key, plan.main.build, _key_instructions("sm80", dtype)))

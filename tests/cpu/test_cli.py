@@ -166,6 +166,6 @@ def test_check_covers_the_decode_kernels(capsys):
     assert code == 0, out
     labels = [line.split()[0] for line in out.splitlines() if line.startswith("decode/")]
     assert sorted(labels) == sorted(f"decode/bfloat16/d128/{c}/{s}" for c in ("full", "causal")
-                                    for s in ("default", "deep", "narrow", "keys")) + ["decode/combine/bfloat16/d128"]
-    assert "mma.sync=" in out and "9 kernels, 0 with spills" in out
+                                    for s in ("default", "deep", "narrow", "keys", "deep-keys")) + ["decode/combine/bfloat16/d128"]
+    assert "mma.sync=" in out and "11 kernels, 0 with spills" in out
 

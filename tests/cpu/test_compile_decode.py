@@ -100,17 +100,22 @@ def test_narrow_decode_compiles_without_spills(monkeypatch, arch, head_dim, page
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
-@pytest.mark.parametrize("arch,head_dim,page_size,mods,causal", [("sm_80", 128, 0, (False, False, False), False),
-                                                                ("sm_90a", 128, 256, (False, False, False), True),
-                                                                ("sm_90a", 64, 16, (True, True, True), True)])
-def test_warps_along_keys_compile_without_spills(monkeypatch, arch, head_dim, page_size, mods, causal):
+@pytest.mark.parametrize("arch,head_dim,page_size,mods,causal,deep", [
+    ("sm_80", 128, 0, (False, False, False), False, False), ("sm_90a", 128, 256, (False, False, False), True, False),
+    ("sm_90a", 64, 16, (True, True, True), True, False), ("sm_90a", 128, 0, (False, False, False), False, True),
+    ("sm_80", 64, 0, (False, False, False), True, True)])
+def test_warps_along_keys_compile_without_spills(monkeypatch, arch, head_dim, page_size, mods, causal, deep):
     """dispatch.DECODE_KEYS_TILE: 16 rows, each warp its 16-key slice of a block (a quarter of the
-    64-row tile's mma.sync), the warps' states merged through shared memory (two more barriers)."""
+    64-row tile's mma.sync), the warps' states merged through shared memory (two more barriers);
+    `deep`: on the deep CTA's stages, as a one-tile call takes it."""
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     capability = (9, 0) if arch == "sm_90a" else (8, 0)
-    plan = dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods, warps_along_keys=True)
+    plan = dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods, deep=deep,
+                                warps_along_keys=True)
     assert plan.main.config.warps_along_keys and plan.tile_m == 16
-    wide = _compile(dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods).main, arch)
+    assert plan.ctas_per_sm == (1 if deep else dispatch.DECODE_CTAS_PER_SM)
+    wide = _compile(dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods,
+                                         deep=deep).main, arch)
     report = _compile(plan.main, arch)
     assert report.ptx.count("mma.sync.aligned.m16n8k16") * 4 == wide.ptx.count("mma.sync.aligned.m16n8k16")
     assert report.ptx.count("bar.sync") == 4  # two per key block, two for the merge
@@ -205,6 +210,8 @@ def test_page_sizes_and_split_heuristic():
     assert not dispatch.decode_warps_along_keys(64, 32, 8, 8, 128, 132)  # 32 rows
     assert not dispatch.decode_warps_along_keys(8, 32, 8, 1, 128, 132)  # 64 tiles: the narrow tile's
     assert not dispatch.decode_warps_along_keys(64, 32, 8, 1, 96, 132)
+    assert dispatch.decode_warps_along_keys(1, 8, 1, 1, 128, 132)  # one tile: with the deep CTA's stages
+    assert not dispatch.decode_warps_along_keys(1, 32, 1, 1, 128, 132)  # one tile of 32 rows: the deep 64-row CTA
 
 
 def test_split_block_ranges_match_brute_force():

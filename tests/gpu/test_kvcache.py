@@ -245,6 +245,19 @@ def test_many_row_tiles_take_warps_along_keys(heads, seqlen_q, head_dim, page_si
                alibi_slopes=_slopes(batch, heads[0], True))
 
 
+@pytest.mark.parametrize("heads, seqlen_q, head_dim", [((8, 1), 1, 128), ((16, 1), 1, 64), ((4, 1), 3, 128)], ids=str)
+def test_one_tile_calls_take_warps_along_keys_on_deep_stages(heads, seqlen_q, head_dim):
+    """Batch 1, one KV head, its rows in 16: DECODE_KEYS_TILE on the deep CTA's stages, split long."""
+    from cute_flash import dispatch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert dispatch.decode_is_deep(1, *heads, seqlen_q, head_dim)
+    assert dispatch.decode_warps_along_keys(1, *heads, seqlen_q, head_dim, sms)
+    check_call(1, seqlen_q, heads, head_dim, 40000, True)
+    check_call(1, seqlen_q, heads, head_dim, 3000, False, page_size=16, softcap=15.0, window_size=(900, 0),
+               alibi_slopes=_slopes(1, heads[0], True))
+
+
 def test_fp32_cache_follows_torchs_tf32_precision():
     """torch.set_float32_matmul_precision("high"): plain TF32 in the decode kernel, within TF32's
     error order against float64 and coarser than split TF32's on the same call."""
