@@ -8,10 +8,11 @@ row's attention over all keys is
 (a split that saw no key has L_s = -inf and weighs 0; a row no split saw gets O = 0, L = -inf).
 One CTA of SPLIT_WARPS warps per row. Every warp reads the row's split statistics at once (a lane
 holds splits lane, lane + 32, ... up to the config's max_splits, all loads in flight together) and
-reduces them with shuffles; then warp w walks splits w, w + SPLIT_WARPS, ... with each lane holding
-LANE_COLUMNS columns and SPLIT_UNROLL pieces' loads in flight, and the warps' partial sums meet in
-shared memory. The merge waits on memory latency, not bandwidth: one warp walking 256 splits took
-14 µs (H200), longer than the decode kernel before it.
+reduces them with shuffles; the first warp leaves each split's weight exp(L_s - L) in shared
+memory, so the walk's loads are the pieces alone: warp w walks splits w, w + SPLIT_WARPS, ... with
+each lane holding LANE_COLUMNS columns and SPLIT_UNROLL pieces' loads in flight, and the warps'
+partial sums meet in shared memory. The merge waits on memory latency, not bandwidth: one warp
+walking 256 splits took 14 µs (H200), longer than the decode kernel before it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..common.softmax import LOG2_E
 from .config import Sm80DecodeCombineConfig
 
 LANE_COLUMNS = 4
-SPLIT_WARPS = 8
+SPLIT_WARPS = 16
 SPLIT_UNROLL = 4
 
 
@@ -89,8 +90,14 @@ class FlashDecodeCombineSm80:
             mLSE[batch, head, q_idx] = lse
         lse_scale = Float32(0.0) if lse == -Float32.inf else lse
 
-        sPartial = cutlass.memory.SmemAllocator().allocate_tensor(
+        smem = cutlass.memory.SmemAllocator()
+        sWeight = smem.allocate_tensor(Float32, cute.make_layout(32 * self.stat_loads), byte_alignment=16)
+        sPartial = smem.allocate_tensor(
             Float32, cute.make_layout((SPLIT_WARPS, self.head_dim), stride=(self.head_dim, 1)), byte_alignment=16)
+        if warp == 0:
+            for i in cutlass.range_constexpr(self.stat_loads):
+                sWeight[lane + 32 * i] = cute.math.exp2((lse_split[i] - lse_scale) * LOG2_E, fastmath=True)
+        cute.arch.barrier()
         for i in cutlass.range_constexpr((self.head_dim + 32 * LANE_COLUMNS - 1) // (32 * LANE_COLUMNS)):
             chunk = lane + 32 * i
             if chunk * LANE_COLUMNS < self.head_dim:
@@ -98,9 +105,8 @@ class FlashDecodeCombineSm80:
                 acc.fill(0.0)
                 for s in cutlass.range(warp, num_splits, SPLIT_WARPS, unroll=SPLIT_UNROLL):
                     piece = s * batch_count + batch
-                    weight = cute.math.exp2((mLSEpart[piece, head, q_idx] - lse_scale) * LOG2_E, fastmath=True)
                     gO_s = cute.local_tile(mOpart[piece, q_idx, head, None], (LANE_COLUMNS,), (chunk,))
-                    acc.store(acc.load() + gO_s.load() * weight)
+                    acc.store(acc.load() + gO_s.load() * sWeight[s])
                 cute.local_tile(sPartial[warp, None], (LANE_COLUMNS,), (chunk,)).store(acc.load())
         cute.arch.barrier()
         if tidx < self.head_dim:
