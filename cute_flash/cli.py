@@ -53,8 +53,9 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
                                         tf32_products=dispatch.tf32_products_for(torch_dtype))
             label = f"decode/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{shape}"
             builds.setdefault(plan.main.key, (label, plan.main.key, plan.main.build, _key_instructions("sm80", dtype)))
-        combine = plan.combine
-        builds[combine.key] = (f"decode/combine/{dtype}/d{head_dim}", combine.key, combine.build, ())
+        for combine in (plan.combine, plan.combine_wide):
+            label = f"decode/combine/{dtype}/d{head_dim}/{combine.config.num_warps}-warps"
+            builds[combine.key] = (label, combine.key, combine.build, ())
         return list(builds.values())
     if pass_name == "fwd":
         builds = {}

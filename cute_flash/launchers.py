@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from . import dispatch
 from .dispatch import BackwardPlan, DecodePlan, Plan
 from .kernels.common.layouts import STAT_ROW_PAD, round_up
 from .kernels.sm90.config import Sm90FwdConfig
@@ -266,7 +267,10 @@ def decode_launcher(plan: DecodePlan) -> Callable:
     merges them into out and lse. batch_idx / block_table may be None where the cache kind does not
     use them, leftpad (cache_leftpad) where the plan has none; mod_args (window sides, softcap,
     slopes: api._score_mods) only for a plan with mods."""
-    main, combine = plan.main.compiled(), plan.combine.compiled()
+    main = plan.main.compiled()
+    # both merges up front: a launch may be captured into a CUDA graph, where loading a module is not
+    combines = {dispatch.DECODE_MERGE_WARPS: plan.combine.compiled(),
+                dispatch.DECODE_WIDE_MERGE_WARPS: plan.combine_wide.compiled()}
 
     def launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table, leftpad,
                softmax_scale, num_splits, *mod_args):
@@ -282,6 +286,7 @@ def decode_launcher(plan: DecodePlan) -> Callable:
         lse_pieces = torch.empty(num_splits * batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
         main(q, k_cache, v_cache, out, lse, o_pieces, lse_pieces, cache_seqlens, batch_idx, block_table,
              leftpad, seqlen_new, softmax_scale, num_splits, *mod_args)
-        combine(o_pieces, lse_pieces, out, lse, num_splits)
+        combines[dispatch.decode_merge_warps(batch * seqlen_q * nheads, num_splits)](
+            o_pieces, lse_pieces, out, lse, num_splits)
 
     return launch

@@ -301,3 +301,4 @@ class Sm80DecodeCombineConfig:
     dtype: type[cutlass.Numeric]
     head_dim: int
     max_splits: int  # the most splits a call may take (validate.MAX_SPLITS)
+    num_warps: int = 8  # per row's CTA, each walking every num_warps-th split (dispatch.decode_merge_warps)

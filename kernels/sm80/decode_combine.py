@@ -6,10 +6,10 @@ row's attention over all keys is
     L = log(sum_s exp(L_s)),    O = sum_s exp(L_s - L) * O_s
 
 (a split that saw no key has L_s = -inf and weighs 0; a row no split saw gets O = 0, L = -inf).
-One CTA of SPLIT_WARPS warps per row. Every warp reads the row's split statistics at once (a lane
+One CTA of config.num_warps warps per row. Every warp reads the row's split statistics at once (a lane
 holds splits lane, lane + 32, ... up to the config's max_splits, all loads in flight together) and
 reduces them with shuffles; the first warp leaves each split's weight exp(L_s - L) in shared
-memory, so the walk's loads are the pieces alone: warp w walks splits w, w + SPLIT_WARPS, ... with
+memory, so the walk's loads are the pieces alone: warp w walks splits w, w + num_warps, ... with
 each lane holding LANE_COLUMNS columns and SPLIT_UNROLL pieces' loads in flight, and the warps'
 partial sums meet in shared memory. The merge waits on memory latency, not bandwidth: one warp
 walking 256 splits took 14 µs (H200), longer than the decode kernel before it.
@@ -30,7 +30,6 @@ from ..common.softmax import LOG2_E
 from .config import Sm80DecodeCombineConfig
 
 LANE_COLUMNS = 4
-SPLIT_WARPS = 16
 SPLIT_UNROLL = 4
 
 
@@ -39,6 +38,7 @@ class FlashDecodeCombineSm80:
         self.cfg = config
         self.dtype = config.dtype
         self.head_dim = config.head_dim
+        self.num_warps = config.num_warps
         self.stat_loads = -(-config.max_splits // 32)  # split statistics per lane
 
     @cute.jit
@@ -55,7 +55,7 @@ class FlashDecodeCombineSm80:
             raise TypeError("out must have the kernel's dtype")
         num_rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
-            grid=(num_rows, 1, 1), block=[SPLIT_WARPS * 32, 1, 1], stream=stream)
+            grid=(num_rows, 1, 1), block=[self.num_warps * 32, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
@@ -93,7 +93,7 @@ class FlashDecodeCombineSm80:
         smem = cutlass.memory.SmemAllocator()
         sWeight = smem.allocate_tensor(Float32, cute.make_layout(32 * self.stat_loads), byte_alignment=16)
         sPartial = smem.allocate_tensor(
-            Float32, cute.make_layout((SPLIT_WARPS, self.head_dim), stride=(self.head_dim, 1)), byte_alignment=16)
+            Float32, cute.make_layout((self.num_warps, self.head_dim), stride=(self.head_dim, 1)), byte_alignment=16)
         if warp == 0:
             for i in cutlass.range_constexpr(self.stat_loads):
                 sWeight[lane + 32 * i] = cute.math.exp2((lse_split[i] - lse_scale) * LOG2_E, fastmath=True)
@@ -103,7 +103,7 @@ class FlashDecodeCombineSm80:
             if chunk * LANE_COLUMNS < self.head_dim:
                 acc = cute.make_rmem_tensor((LANE_COLUMNS,), Float32)
                 acc.fill(0.0)
-                for s in cutlass.range(warp, num_splits, SPLIT_WARPS, unroll=SPLIT_UNROLL):
+                for s in cutlass.range(warp, num_splits, self.num_warps, unroll=SPLIT_UNROLL):
                     piece = s * batch_count + batch
                     gO_s = cute.local_tile(mOpart[piece, q_idx, head, None], (LANE_COLUMNS,), (chunk,))
                     acc.store(acc.load() + gO_s.load() * sWeight[s])
@@ -111,6 +111,6 @@ class FlashDecodeCombineSm80:
         cute.arch.barrier()
         if tidx < self.head_dim:
             column = Float32(0.0)
-            for w in cutlass.range_constexpr(SPLIT_WARPS):
+            for w in cutlass.range_constexpr(self.num_warps):
                 column += sPartial[w, tidx]
             mO[batch, q_idx, head, tidx] = column.to(self.dtype)

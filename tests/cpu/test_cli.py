@@ -165,7 +165,8 @@ def test_check_covers_the_decode_kernels(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     labels = [line.split()[0] for line in out.splitlines() if line.startswith("decode/")]
-    assert sorted(labels) == sorted(f"decode/bfloat16/d128/{c}/{s}" for c in ("full", "causal")
-                                    for s in ("default", "deep", "narrow", "keys", "deep-keys")) + ["decode/combine/bfloat16/d128"]
-    assert "mma.sync=" in out and "11 kernels, 0 with spills" in out
+    assert sorted(labels) == sorted([f"decode/bfloat16/d128/{c}/{s}" for c in ("full", "causal")
+                                     for s in ("default", "deep", "narrow", "keys", "deep-keys")] + [
+        f"decode/combine/bfloat16/d128/{w}-warps" for w in (8, 16)])
+    assert "mma.sync=" in out and "12 kernels, 0 with spills" in out
 

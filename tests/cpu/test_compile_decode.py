@@ -156,11 +156,14 @@ def test_fp32_decode_with_plain_tf32_runs_a_third_of_the_products(monkeypatch):
     assert reports[1].spill_bytes == 0
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_combine_compiles(monkeypatch, arch):
+@pytest.mark.parametrize("arch,wide", [("sm_80", False), ("sm_90a", False), ("sm_90a", True)])
+def test_combine_compiles(monkeypatch, arch, wide):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     plan = dispatch.plan_decode((8, 0) if arch == "sm_80" else (9, 0), torch.bfloat16, 128, False)
-    report = _compile(plan.combine, arch)
+    combine = plan.combine_wide if wide else plan.combine
+    assert combine.config.num_warps == (dispatch.DECODE_WIDE_MERGE_WARPS if wide else dispatch.DECODE_MERGE_WARPS)
+    report = _compile(combine, arch)
+    assert f".reqntid {32 * combine.config.num_warps}, 1, 1" in report.ptx
     # the row's split statistics loaded at once (one per lane per 32 splits of MAX_SPLITS), and only
     # there: the walk takes the splits' weights from shared memory
     assert report.ptx.count("ld.global.b32") == MAX_SPLITS // 32
@@ -212,6 +215,10 @@ def test_page_sizes_and_split_heuristic():
     assert not dispatch.decode_warps_along_keys(8, 32, 8, 1, 128, 132)  # 64 tiles: the narrow tile's
     assert not dispatch.decode_warps_along_keys(64, 32, 8, 1, 96, 132)
     assert dispatch.decode_warps_along_keys(1, 8, 1, 1, 128, 132)  # one tile: with the deep CTA's stages
+    # the merge's wide CTA for a few rows split many ways
+    assert dispatch.decode_merge_warps(8, 128) == dispatch.DECODE_WIDE_MERGE_WARPS
+    assert dispatch.decode_merge_warps(8, 8) == dispatch.DECODE_MERGE_WARPS
+    assert dispatch.decode_merge_warps(64, 128) == dispatch.DECODE_MERGE_WARPS
     assert not dispatch.decode_warps_along_keys(1, 32, 1, 1, 128, 132)  # one tile of 32 rows: the deep 64-row CTA
 
 

@@ -253,7 +253,10 @@ def test_one_tile_calls_take_warps_along_keys_on_deep_stages(heads, seqlen_q, he
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert dispatch.decode_is_deep(1, *heads, seqlen_q, head_dim)
     assert dispatch.decode_warps_along_keys(1, *heads, seqlen_q, head_dim, sms)
-    check_call(1, seqlen_q, heads, head_dim, 40000, True)
+    tile = dispatch.plan_decode((9, 0), torch.bfloat16, head_dim, True, deep=True, warps_along_keys=True)
+    splits = dispatch.decode_splits(1, 1, 1, 40000, tile.tile_n, sms, tile.ctas_per_sm)
+    assert dispatch.decode_merge_warps(seqlen_q * heads[0], splits) == dispatch.DECODE_WIDE_MERGE_WARPS
+    check_call(1, seqlen_q, heads, head_dim, 40000, True)  # the wide merge
     check_call(1, seqlen_q, heads, head_dim, 3000, False, page_size=16, softcap=15.0, window_size=(900, 0),
                alibi_slopes=_slopes(1, heads[0], True))
 
