@@ -6,9 +6,9 @@ row's attention over all keys is
     L = log(sum_s exp(L_s)),    O = sum_s exp(L_s - L) * O_s
 
 (a split that saw no key has L_s = -inf and weighs 0; a row no split saw gets O = 0, L = -inf).
-One CTA of config.num_warps warps per row. Every warp reads the row's split statistics at once (a lane
-holds splits lane, lane + 32, ... up to the config's max_splits, all loads in flight together) and
-reduces them with shuffles; the first warp leaves each split's weight exp(L_s - L) in shared
+One CTA of config.num_warps warps per row. Every warp reads the row's split statistics at once (a
+lane holds splits lane, lane + 32, ... up to the config's max_splits, all loads in flight together)
+and reduces them with shuffles; the first warp leaves each split's weight exp(L_s - L) in shared
 memory, so the walk's loads are the pieces alone: warp w walks splits w, w + num_warps, ... with
 each lane holding LANE_COLUMNS columns and SPLIT_UNROLL pieces' loads in flight, and the warps'
 partial sums meet in shared memory. The merge waits on memory latency, not bandwidth: one warp
