@@ -383,23 +383,30 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
     if mods != NO_MODS:
         main_args, entry = main_args[:-1] + fake_score_mods(*mods) + main_args[-1:], "call_with_mods"
     window, softcap, alibi = mods
+    dependent_launch = capability >= DEPENDENT_LAUNCH_CAPABILITY
     combine_args = (fake_bshd(cutlass.Float32, head_dim), fake_rowstat(), fake_bshd(cdtype, head_dim), fake_rowstat(),
                     cutlass.Int32(2), fake_stream())
     return DecodePlan(
         main=Plan(FlashDecodeSm80, Sm80DecodeConfig(cdtype, head_dim, causal, page_size, **tiles, window=window,
                                                     softcap=softcap, alibi=alibi, leftpad=leftpad,
-                                                    tf32_products=tf32_products),
+                                                    tf32_products=tf32_products, dependent_launch=dependent_launch),
                   main_args, arch, entry=entry),
-        combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim, MAX_SPLITS, DECODE_MERGE_WARPS),
-                     combine_args, arch),
-        combine_wide=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(cdtype, head_dim, MAX_SPLITS,
-                                                                          DECODE_WIDE_MERGE_WARPS), combine_args, arch),
+        combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(
+            cdtype, head_dim, MAX_SPLITS, DECODE_MERGE_WARPS, dependent_launch), combine_args, arch),
+        combine_wide=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(
+            cdtype, head_dim, MAX_SPLITS, DECODE_WIDE_MERGE_WARPS, dependent_launch), combine_args, arch),
     )
 
 
 DECODE_CTAS_PER_SM = 2
 """Decode CTAs resident per SM (80 KB of shared memory each at head dim 128): one wave is this
 many CTAs on every SM."""
+
+DEPENDENT_LAUNCH_CAPABILITY = (9, 0)
+"""From here on (griddepcontrol is sm_90 PTX) the decode kernel and its merge are launched as
+programmatic dependents (Sm80DecodeConfig.dependent_launch): each grid is scheduled as the CTAs of
+the kernel ahead of it exit, so a decode step's two launches and the step before it no longer wait
+one launch latency apiece."""
 
 DECODE_DEEP_STAGES = 4
 """K/V buffers of a deep decode CTA (144 KB at head dim 128: one CTA per SM). Measured against 2

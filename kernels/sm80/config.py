@@ -292,6 +292,9 @@ class Sm80DecodeConfig:
     alibi: bool = False
     leftpad: bool = False  # each sequence's keys start at its cache_leftpad position
     tf32_products: int = 3  # fp32 caches: as Sm80FwdConfig
+    # programmatic dependent launch (sm_90 on): the grid may be scheduled before the kernel ahead of
+    # it in the stream has flushed, and waits for it (griddepcontrol.wait) before touching memory
+    dependent_launch: bool = False
 
 
 @dataclass(frozen=True)
@@ -302,3 +305,4 @@ class Sm80DecodeCombineConfig:
     head_dim: int
     max_splits: int  # the most splits a call may take (validate.MAX_SPLITS)
     num_warps: int = 8  # per row's CTA, each walking every num_warps-th split (dispatch.decode_merge_warps)
+    dependent_launch: bool = False  # as Sm80DecodeConfig's: launched while the decode kernel's CTAs drain

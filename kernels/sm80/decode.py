@@ -187,7 +187,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             seqlen_new, score_scale * LOG2_E, num_splits,
             sQ_layout, sKV_layout, gmem_tiled_copy_QKV, gmem_tiled_copy_O, tiled_mma, SharedStorage, **mods,
             mCacheLeftpad=mCacheLeftpad,
-        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream)
+        ).launch(grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+                 use_pdl=self.cfg.dependent_launch)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -221,6 +222,9 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         alibi_scale: Float32 | None = None,
         mCacheLeftpad: cute.Tensor | None = None,
     ):
+        if cutlass.const_expr(self.cfg.dependent_launch):
+            # Q, the cache and its append, the lengths: all written by kernels ahead in the stream
+            cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, split, batch_head = cute.arch.block_idx()
         num_heads_kv = mK.shape[2]

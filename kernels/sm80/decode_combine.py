@@ -55,11 +55,14 @@ class FlashDecodeCombineSm80:
             raise TypeError("out must have the kernel's dtype")
         num_rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
         self.kernel(mOpart, mLSEpart, mO, mLSE, num_splits).launch(
-            grid=(num_rows, 1, 1), block=[self.num_warps * 32, 1, 1], stream=stream)
+            grid=(num_rows, 1, 1), block=[self.num_warps * 32, 1, 1], stream=stream,
+            use_pdl=self.cfg.dependent_launch)
 
     @cute.kernel
     def kernel(self, mOpart: cute.Tensor, mLSEpart: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                num_splits: Int32):
+        if cutlass.const_expr(self.cfg.dependent_launch):
+            cute.arch.griddepcontrol_wait()  # the pieces: the decode kernel's last CTAs may still be flushing them
         tidx, _, _ = cute.arch.thread_idx()
         row, _, _ = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32

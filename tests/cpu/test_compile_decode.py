@@ -176,6 +176,21 @@ def test_combine_compiles(monkeypatch, arch, wide):
     assert report.spill_bytes == 0
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_dependent_launch_from_sm90(monkeypatch, arch):
+    """On sm_90 the decode kernel and both merges wait for the grid ahead (griddepcontrol.wait, once,
+    before any global access); sm_80 has no such instruction and keeps its PTX."""
+    monkeypatch.setenv("CUTE_DSL_ARCH", arch)
+    plan = dispatch.plan_decode((9, 0) if arch == "sm_90a" else (8, 0), torch.bfloat16, 128, True, 0, (True, False, False),
+                                deep=True, warps_along_keys=True)
+    for part in (plan.main, plan.combine, plan.combine_wide):
+        assert part.config.dependent_launch == (arch == "sm_90a")
+        ptx = _compile(part, arch).ptx
+        assert ptx.count("griddepcontrol.wait") == (1 if arch == "sm_90a" else 0)
+        if arch == "sm_90a":  # the wait comes before the kernel's first global load
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+
+
 def test_page_sizes_and_split_heuristic():
     from cute_flash.kernels.sm80.decode import FlashDecodeSm80
 
