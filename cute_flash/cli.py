@@ -53,8 +53,8 @@ def kernel_builds(arch: str, pass_name: str, dtype: str, head_dim: int, causal: 
                                         tf32_products=dispatch.tf32_products_for(torch_dtype))
             label = f"decode/{dtype}/d{head_dim}/{'causal' if causal else 'full'}/{shape}"
             builds.setdefault(plan.main.key, (label, plan.main.key, plan.main.build, _key_instructions("sm80", dtype)))
-        for combine in (plan.combine, plan.combine_wide):
-            label = f"decode/combine/{dtype}/d{head_dim}/{combine.config.num_warps}-warps"
+        for (warps, rows), combine in plan.combines.items():
+            label = f"decode/combine/{dtype}/d{head_dim}/" + (f"{warps}-warps" if rows == 1 else f"{rows}-rows")
             builds[combine.key] = (label, combine.key, combine.build, ())
         return list(builds.values())
     if pass_name == "fwd":

@@ -325,8 +325,7 @@ class DecodePlan:
     split across CTAs, the merge of the splits."""
 
     main: Plan
-    combine: Plan  # DECODE_MERGE_WARPS per row
-    combine_wide: Plan  # DECODE_WIDE_MERGE_WARPS per row (decode_merge_warps)
+    combines: dict[tuple[int, int], Plan]  # the split merge per (warps, rows per CTA): decode_merge_shape
 
     @property
     def tile_m(self) -> int:
@@ -391,10 +390,9 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
                                                     softcap=softcap, alibi=alibi, leftpad=leftpad,
                                                     tf32_products=tf32_products, dependent_launch=dependent_launch),
                   main_args, arch, entry=entry),
-        combine=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(
-            cdtype, head_dim, MAX_SPLITS, DECODE_MERGE_WARPS, dependent_launch), combine_args, arch),
-        combine_wide=Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(
-            cdtype, head_dim, MAX_SPLITS, DECODE_WIDE_MERGE_WARPS, dependent_launch), combine_args, arch),
+        combines={shape: Plan(FlashDecodeCombineSm80, Sm80DecodeCombineConfig(
+            cdtype, head_dim, MAX_SPLITS, num_warps=shape[0], rows_per_cta=shape[1], dependent_launch=dependent_launch),
+            combine_args, arch) for shape in DECODE_MERGE_SHAPES},
     )
 
 
@@ -478,17 +476,28 @@ def decode_warps_along_keys(batch: int, nheads: int, nheads_kv: int, seqlen_q: i
     return rows <= DECODE_KEYS_TILE["tile_m"] and head_dim in (64, 128) and (tiles >= num_sms or tiles == 1)
 
 
-DECODE_MERGE_WARPS = 8
-DECODE_WIDE_MERGE_WARPS = 16
+DECODE_MERGE = (8, 1)
+"""The split merge's CTA as (warps, query rows): 8 warps on one row."""
+DECODE_WIDE_MERGE = (16, 1)
+"""16 warps on one row: a few rows split many ways."""
+DECODE_ROWS_MERGE = (8, 8)
+"""8 rows on a warp each: many rows split a few ways."""
+DECODE_MERGE_SHAPES = (DECODE_MERGE, DECODE_WIDE_MERGE, DECODE_ROWS_MERGE)
 
 
-def decode_merge_warps(rows: int, num_splits: int) -> int:
-    """Warps of the split merge's CTA (one CTA per query row): a few rows split many ways wait on
-    their CTAs' walks, which more warps shorten; with many rows, CTAs of idle warps would crowd the
-    SMs. Merge kernel time, 16 warps against 8 (H200, same run, hd 128): 4.0 against 5.3 µs at 8 rows
-    and 128 splits; 2.4 against 2.3 at 8 rows and a few splits, 2.7 against 2.5 at 64 rows, a tie at
-    32 rows; 4,096 rows at a few splits ran the whole call 1.1 to 1.2x longer on 16."""
-    return DECODE_WIDE_MERGE_WARPS if rows < 32 and num_splits >= 64 else DECODE_MERGE_WARPS
+def decode_merge_shape(rows: int, num_splits: int) -> tuple[int, int]:
+    """The split merge's CTA for `rows` query rows (batch x tokens x query heads) split `num_splits`
+    ways. A few rows split many ways wait on their CTAs' walks, which more warps shorten; many rows
+    split a few ways would leave most warps of a CTA per row idle, and crowd the SMs with such CTAs.
+    Merge kernel time, 16 warps against 8 on a row (H200, same run, hd 128): 4.0 against 5.3 µs at
+    8 rows and 128 splits; 2.4 against 2.3 at 8 rows and a few splits, 2.7 against 2.5 at 64 rows, a
+    tie at 32 rows; 4,096 rows split 4 ways took 15 µs on 8 warps per row, 28 on 16, a quarter of the
+    call. A warp per row for 1,024 rows or more split 16 ways or fewer: not yet timed."""
+    if rows < 32 and num_splits >= 64:
+        return DECODE_WIDE_MERGE
+    if rows >= 1024 and num_splits <= 16:
+        return DECODE_ROWS_MERGE
+    return DECODE_MERGE
 
 
 DECODE_MIN_SPLIT_BLOCKS = 4

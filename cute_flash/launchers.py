@@ -268,9 +268,8 @@ def decode_launcher(plan: DecodePlan) -> Callable:
     use them, leftpad (cache_leftpad) where the plan has none; mod_args (window sides, softcap,
     slopes: api._score_mods) only for a plan with mods."""
     main = plan.main.compiled()
-    # both merges up front: a launch may be captured into a CUDA graph, where loading a module is not
-    combines = {dispatch.DECODE_MERGE_WARPS: plan.combine.compiled(),
-                dispatch.DECODE_WIDE_MERGE_WARPS: plan.combine_wide.compiled()}
+    # every merge up front: a launch may be captured into a CUDA graph, where loading a module is not
+    combines = {shape: merge.compiled() for shape, merge in plan.combines.items()}
 
     def launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table, leftpad,
                softmax_scale, num_splits, *mod_args):
@@ -286,7 +285,7 @@ def decode_launcher(plan: DecodePlan) -> Callable:
         lse_pieces = torch.empty(num_splits * batch, nheads, seqlen_q, dtype=torch.float32, device=q.device)
         main(q, k_cache, v_cache, out, lse, o_pieces, lse_pieces, cache_seqlens, batch_idx, block_table,
              leftpad, seqlen_new, softmax_scale, num_splits, *mod_args)
-        combines[dispatch.decode_merge_warps(batch * seqlen_q * nheads, num_splits)](
+        combines[dispatch.decode_merge_shape(batch * seqlen_q * nheads, num_splits)](
             o_pieces, lse_pieces, out, lse, num_splits)
 
     return launch

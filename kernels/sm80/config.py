@@ -304,5 +304,6 @@ class Sm80DecodeCombineConfig:
     dtype: type[cutlass.Numeric]
     head_dim: int
     max_splits: int  # the most splits a call may take (validate.MAX_SPLITS)
-    num_warps: int = 8  # per row's CTA, each walking every num_warps-th split (dispatch.decode_merge_warps)
+    num_warps: int = 8  # per CTA (dispatch.decode_merge_shape)
+    rows_per_cta: int = 1  # 1: all warps on one row, each walking every num_warps-th split; num_warps: a warp per row
     dependent_launch: bool = False  # as Sm80DecodeConfig's: launched while the decode kernel's CTAs drain

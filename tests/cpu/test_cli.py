@@ -167,6 +167,6 @@ def test_check_covers_the_decode_kernels(capsys):
     labels = [line.split()[0] for line in out.splitlines() if line.startswith("decode/")]
     assert sorted(labels) == sorted([f"decode/bfloat16/d128/{c}/{s}" for c in ("full", "causal")
                                      for s in ("default", "deep", "narrow", "keys", "deep-keys")] + [
-        f"decode/combine/bfloat16/d128/{w}-warps" for w in (8, 16)])
-    assert "mma.sync=" in out and "12 kernels, 0 with spills" in out
+        f"decode/combine/bfloat16/d128/{s}" for s in ("8-warps", "16-warps", "8-rows")])
+    assert "mma.sync=" in out and "13 kernels, 0 with spills" in out
 

@@ -156,22 +156,31 @@ def test_fp32_decode_with_plain_tf32_runs_a_third_of_the_products(monkeypatch):
     assert reports[1].spill_bytes == 0
 
 
-@pytest.mark.parametrize("arch,wide", [("sm_80", False), ("sm_90a", False), ("sm_90a", True)])
-def test_combine_compiles(monkeypatch, arch, wide):
+@pytest.mark.parametrize("arch,shape", [("sm_80", dispatch.DECODE_MERGE), ("sm_90a", dispatch.DECODE_MERGE),
+                                        ("sm_90a", dispatch.DECODE_WIDE_MERGE), ("sm_80", dispatch.DECODE_ROWS_MERGE),
+                                        ("sm_90a", dispatch.DECODE_ROWS_MERGE)])
+def test_combine_compiles(monkeypatch, arch, shape):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     plan = dispatch.plan_decode((8, 0) if arch == "sm_80" else (9, 0), torch.bfloat16, 128, False)
-    combine = plan.combine_wide if wide else plan.combine
-    assert combine.config.num_warps == (dispatch.DECODE_WIDE_MERGE_WARPS if wide else dispatch.DECODE_MERGE_WARPS)
+    combine = plan.combines[shape]
+    warps, rows = shape
+    assert (combine.config.num_warps, combine.config.rows_per_cta) == shape
     report = _compile(combine, arch)
-    assert f".reqntid {32 * combine.config.num_warps}, 1, 1" in report.ptx
+    assert f".reqntid {32 * warps}, 1, 1" in report.ptx
     # the row's split statistics loaded at once (one per lane per 32 splits of MAX_SPLITS), and only
     # there: the walk takes the splits' weights from shared memory
     assert report.ptx.count("ld.global.b32") == MAX_SPLITS // 32
     # each lane's 4 columns of a piece in one load, SPLIT_UNROLL pieces per turn of the split walk
     assert report.ptx.count("ld.global.v4.b32") >= SPLIT_UNROLL
     assert report.ptx.count("shfl.sync.bfly") >= 10  # the split statistics' max and sum over the warp
-    # the warps' partial sums meet in shared memory; each thread stores one bf16 column of O
-    assert "st.shared.v4.b32" in report.ptx and "bar.sync" in report.ptx and "st.global.b16" in report.ptx
+    if rows == 1:
+        # the warps' partial sums meet in shared memory; each thread stores one bf16 column of O
+        assert "st.shared.v4.b32" in report.ptx and report.ptx.count("bar.sync") == 2
+        assert "st.global.b16" in report.ptx
+    else:
+        # a warp per row: its lanes' 4 columns straight to O (8 bytes each), one barrier (the weights)
+        assert "st.shared.v4.b32" not in report.ptx and report.ptx.count("bar.sync") == 1
+        assert "st.global.v2.b32" in report.ptx or "st.global.v4.b16" in report.ptx
     assert "ex2.approx" in report.ptx and "lg2.approx" in report.ptx
     assert report.spill_bytes == 0
 
@@ -183,7 +192,7 @@ def test_dependent_launch_from_sm90(monkeypatch, arch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     plan = dispatch.plan_decode((9, 0) if arch == "sm_90a" else (8, 0), torch.bfloat16, 128, True, 0, (True, False, False),
                                 deep=True, warps_along_keys=True)
-    for part in (plan.main, plan.combine, plan.combine_wide):
+    for part in (plan.main, *plan.combines.values()):
         assert part.config.dependent_launch == (arch == "sm_90a")
         ptx = _compile(part, arch).ptx
         assert ptx.count("griddepcontrol.wait") == (1 if arch == "sm_90a" else 0)
@@ -231,9 +240,10 @@ def test_page_sizes_and_split_heuristic():
     assert not dispatch.decode_warps_along_keys(64, 32, 8, 1, 96, 132)
     assert dispatch.decode_warps_along_keys(1, 8, 1, 1, 128, 132)  # one tile: with the deep CTA's stages
     # the merge's wide CTA for a few rows split many ways
-    assert dispatch.decode_merge_warps(8, 128) == dispatch.DECODE_WIDE_MERGE_WARPS
-    assert dispatch.decode_merge_warps(8, 8) == dispatch.DECODE_MERGE_WARPS
-    assert dispatch.decode_merge_warps(64, 128) == dispatch.DECODE_MERGE_WARPS
+    assert dispatch.decode_merge_shape(8, 128) == dispatch.DECODE_WIDE_MERGE
+    assert dispatch.decode_merge_shape(8, 8) == dispatch.DECODE_MERGE
+    assert dispatch.decode_merge_shape(64, 128) == dispatch.DECODE_MERGE
+    assert dispatch.decode_merge_shape(4096, 4) == dispatch.DECODE_ROWS_MERGE  # batch 64, 8 tokens, 8 heads
     assert not dispatch.decode_warps_along_keys(1, 32, 1, 1, 128, 132)  # one tile of 32 rows: the deep 64-row CTA
 
 

@@ -255,10 +255,25 @@ def test_one_tile_calls_take_warps_along_keys_on_deep_stages(heads, seqlen_q, he
     assert dispatch.decode_warps_along_keys(1, *heads, seqlen_q, head_dim, sms)
     tile = dispatch.plan_decode((9, 0), torch.bfloat16, head_dim, True, deep=True, warps_along_keys=True)
     splits = dispatch.decode_splits(1, 1, 1, 40000, tile.tile_n, sms, tile.ctas_per_sm)
-    assert dispatch.decode_merge_warps(seqlen_q * heads[0], splits) == dispatch.DECODE_WIDE_MERGE_WARPS
+    assert dispatch.decode_merge_shape(seqlen_q * heads[0], splits) == dispatch.DECODE_WIDE_MERGE
     check_call(1, seqlen_q, heads, head_dim, 40000, True)  # the wide merge
     check_call(1, seqlen_q, heads, head_dim, 3000, False, page_size=16, softcap=15.0, window_size=(900, 0),
                alibi_slopes=_slopes(1, heads[0], True))
+
+
+@pytest.mark.parametrize("batch, seqlen_q, heads, capacity", [(16, 8, (8, 1), 3000), (30, 7, (5, 1), 2500)], ids=str)
+def test_many_rows_split_few_ways_merge_a_warp_per_row(batch, seqlen_q, heads, capacity):
+    """1,024 query rows or more split a few ways: dispatch.DECODE_ROWS_MERGE (8 rows per merge CTA);
+    1,050 rows leave the last CTA 6 spare warps, which must write nothing."""
+    from cute_flash import dispatch
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = dispatch.plan_decode((9, 0), torch.bfloat16, 128, True)
+    m_blocks = -(-seqlen_q * heads[0] // heads[1] // plan.tile_m)
+    splits = dispatch.decode_splits(batch, heads[1], m_blocks, capacity, plan.tile_n, sms, plan.ctas_per_sm)
+    assert dispatch.decode_merge_shape(batch * seqlen_q * heads[0], splits) == dispatch.DECODE_ROWS_MERGE
+    check_call(batch, seqlen_q, heads, 128, capacity, True)
+    check_call(batch, seqlen_q, heads, 128, capacity, False, page_size=16, softcap=10.0)
 
 
 def test_fp32_cache_follows_torchs_tf32_precision():
