@@ -48,6 +48,7 @@ from cutlass import Float32, Int32, Int64
 from cutlass.cute.nvgpu import cpasync, warp
 
 from cute_flash.kernels.common.blocks import BlockRanges, kv_head
+from cute_flash.kernels.common.entry_points import BackwardEntryPoints
 from cute_flash.kernels.common.layouts import (
     gmem_tiled_copy,
     packed_stat_offset,
@@ -90,7 +91,7 @@ def gemm_smem(tiled_mma, acc, tCrA, tCrB, tCsA, tCsB, s2r_A, s2r_B, carried=Fals
         cute.gemm(tiled_mma, acc, tCrA[None, None, k], tCrB[None, None, k], acc)
 
 
-class FlashAttnBwdSm80:
+class FlashAttnBwdSm80(BackwardEntryPoints):
     num_threads = BWD_NUM_THREADS
     smem_bytes = staticmethod(bwd_smem_bytes)  # asked by `cute-flash check` and the layout explorer
 
@@ -122,55 +123,6 @@ class FlashAttnBwdSm80:
         self.varlen = config.varlen
 
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdQsemaphore: cute.Tensor,
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
-                    None, None, None, None, stream)
-
-    @cute.jit
-    def call_with_mods(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdQsemaphore: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32 | None,
-        window_right: Int32 | None,
-        softcap: Float32 | None,
-        mAlibiSlopes: cute.Tensor | None,
-        philox_seed: Int64 | None,
-        philox_offset: Int64 | None,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        stream: cuda.CUstream,
-    ):
-        """The entry point of a kernel with score modifications, arguments as the forward's (dropout:
-        the forward's seed, offset and threshold, which regenerate its mask)."""
-        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
-                    window_left, window_right, softcap, mAlibiSlopes, stream,
-                    dropout_args=(philox_seed, philox_offset, dropout_threshold, dropout_scale))
-
     @cute.jit
     def call_varlen(
         self,

@@ -60,6 +60,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges
+from ..common.entry_points import BackwardEntryPoints
 from ..common.layouts import (
     gmem_tiled_copy, packed_stat_offset, reshape_acc_to_mn, rows_from, sequence_bounds, transpose_view,
 )
@@ -151,7 +152,7 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
-class FlashAttnBwdSm90(BackwardTransfers):
+class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
     """Hopper backward for one configuration (config.py: Sm90BwdConfig); see the module docstring."""
 
     def __init__(self, config: Sm90BwdConfig):
@@ -161,61 +162,6 @@ class FlashAttnBwdSm90(BackwardTransfers):
 
     def smem_bytes(self, **_) -> int:
         return backward_smem_bytes(self.cfg)
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdQsemaphore: cute.Tensor,
-        softmax_scale: Float32,
-        stream: cuda.CUstream,
-    ):
-        """The sm80 backward's arguments (kernels/sm80/bwd.py), so one launcher serves both:
-        mLSElog2, mdPsum (batch, heads, rows padded) from the preprocess; mdQaccum (batch, heads,
-        m_blocks * m_block_size * head_dim) fp32 zeros; mdK, mdV (batch, seqlen_k, heads_kv, d) in
-        the input dtype; mdQsemaphore (batch, heads, m_blocks) int32 zeros when deterministic."""
-        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
-                    None, None, None, None, stream)
-
-    @cute.jit
-    def call_with_mods(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mdO: cute.Tensor,
-        mLSElog2: cute.Tensor,
-        mdPsum: cute.Tensor,
-        mdQaccum: cute.Tensor,
-        mdK: cute.Tensor,
-        mdV: cute.Tensor,
-        mdQsemaphore: cute.Tensor,
-        softmax_scale: Float32,
-        window_left: Int32 | None,
-        window_right: Int32 | None,
-        softcap: Float32 | None,
-        mAlibiSlopes: cute.Tensor | None,
-        philox_seed: Int64 | None,
-        philox_offset: Int64 | None,
-        dropout_threshold: Int32 | None,
-        dropout_scale: Float32 | None,
-        stream: cuda.CUstream,
-    ):
-        """A kernel with a window, softcap, ALiBi or dropout (config.window / softcap / alibi /
-        dropout): their values as the forward's `call_with_mods` takes them (dropout: the forward's
-        seed, offset and threshold, which regenerate its mask), None for each the configuration
-        leaves out."""
-        self.launch(mQ, mK, mV, mdO, mLSElog2, mdPsum, mdQaccum, mdK, mdV, mdQsemaphore, softmax_scale,
-                    window_left, window_right, softcap, mAlibiSlopes, stream,
-                    dropout_args=(philox_seed, philox_offset, dropout_threshold, dropout_scale))
 
     @cute.jit
     def call_varlen(
