@@ -12,6 +12,7 @@ into the cache (torch index writes on the device, no synchronization), `dispatch
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -118,6 +119,20 @@ def flash_attn_with_kvcache(
     sequence's keys start in its cache (positions cache_leftpad[b] .. cache_seqlens[b] + seqlen_new - 1;
     the append and rotary positions stay absolute, as in flash-attn 2).
     """
+    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
+    args = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits)
+    if torch.compiler.is_compiling() and _op_takes(cache_seqlens, softmax_scale, causal, window_size, softcap,
+                                                   rotary_interleaved, num_splits):
+        out, lse = kvcache_attention(*_op_args(*args))
+    else:
+        out, lse = _attend(*args)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+            block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits):
+    """flash_attn_with_kvcache's work: every rule, the append, the decode kernels; (out, lse)."""
     problem, num_splits = check_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, window_size, softcap,
         rotary_interleaved, alibi_slopes, num_splits)
@@ -131,7 +146,6 @@ def flash_attn_with_kvcache(
     # side below the cache's capacity (its rule, not score_mods', which drops sides no row reaches)
     by_position = causal or any(0 <= side < problem.capacity for side in check_window(window_size))
     rotary_dim = check_rotary(rotary_cos, rotary_sin, problem, by_position)
-    return_softmax_lse = check_flag("return_softmax_lse", return_softmax_lse)
     scale = check_softmax_scale(softmax_scale, problem.head_dim)
     tensors = {"q": q, "k_cache": k_cache, "v_cache": v_cache}
     for name, t in (("k", k), ("v", v), ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
@@ -179,4 +193,62 @@ def flash_attn_with_kvcache(
         launch(q_k, k_cache_k, v_cache_k, out, lse, lengths, problem.seqlen_new, batch_idx,
                None if block_table is None else kernel_input(block_table, 4),
                None if cache_leftpad is None else cache_leftpad.contiguous(), scale_k, num_splits, *mod_args)
-    return (out, lse) if return_softmax_lse else out
+    return out, lse
+
+
+# Under torch.compile the call is one opaque operator that writes the caches (mutates_args), so a
+# compiled decode step keeps it without a graph break; eager calls skip the op layer (its dispatch
+# would add to every step). The op takes cache_seqlens as a tensor or as an int, and the window's
+# sides apart, since an operator's schema has no union or tuple arguments.
+
+
+def _op_takes(cache_seqlens, softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits) -> bool:
+    """Whether the arguments fit the operator's schema; others go the eager way, whose rules reject
+    them with a typed error."""
+    def integer(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def number(x):
+        return integer(x) or isinstance(x, float)
+
+    return ((cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor) or integer(cache_seqlens))
+            and (softmax_scale is None or number(softmax_scale)) and number(softcap) and integer(num_splits)
+            and isinstance(causal, bool) and isinstance(rotary_interleaved, bool)
+            and isinstance(window_size, (tuple, list)) and len(window_size) == 2 and all(map(integer, window_size)))
+
+
+def _op_args(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+             block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits):
+    seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    seqlens_int = None if isinstance(cache_seqlens, torch.Tensor) else cache_seqlens
+    return (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor, seqlens_int, cache_batch_idx,
+            cache_leftpad, block_table, softmax_scale, causal, window_size[0], window_size[1], softcap,
+            rotary_interleaved, alibi_slopes, num_splits)
+
+
+@torch.library.custom_op("cute_flash::kvcache_attention", mutates_args=("k_cache", "v_cache"))
+def kvcache_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                      v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor],
+                      rotary_sin: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor],
+                      cache_seqlens_int: Optional[int], cache_batch_idx: Optional[torch.Tensor],
+                      cache_leftpad: Optional[torch.Tensor], block_table: Optional[torch.Tensor],
+                      softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int,
+                      softcap: float, rotary_interleaved: bool, alibi_slopes: Optional[torch.Tensor],
+                      num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin,
+                   cache_seqlens if cache_seqlens is not None else cache_seqlens_int, cache_batch_idx, cache_leftpad,
+                   block_table, softmax_scale, causal, (window_left, window_right), softcap, rotary_interleaved,
+                   alibi_slopes, num_splits)
+
+
+@kvcache_attention.register_fake
+def _kvcache_attention_shapes(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                              cache_batch_idx, cache_leftpad, block_table, softmax_scale, causal, window_left,
+                              window_right, softcap, rotary_interleaved, alibi_slopes, num_splits):
+    # the rules that need no tensor values surface while tracing, not at run time
+    check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens if cache_seqlens is not None else cache_seqlens_int,
+                  cache_batch_idx, cache_leftpad, block_table, (window_left, window_right), softcap,
+                  rotary_interleaved, alibi_slopes, num_splits)
+    batch, seqlen_q, nheads, _ = q.shape
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))

@@ -42,3 +42,33 @@ def test_opcheck():
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse, _ = attention_forward(q, k, v, 0.125, True)  # the third output: the (unused) dropout state
     torch.library.opcheck(attention_backward, (torch.randn_like(out), q, k, v, out, lse, 0.125, True, True))
+
+
+@pytest.mark.parametrize("page_size", [0, 16])
+def test_compiled_decode_step_matches_eager(page_size):
+    """flash_attn_with_kvcache inside torch.compile(fullgraph=True): one op that appends to the
+    caches; outputs, LSE and both caches as the eager call's on copies of the same inputs."""
+    batch, heads_kv, head_dim, capacity = 3, 2, 128, 512
+    lengths = torch.tensor([7, 300, 511], dtype=torch.int32, device="cuda")
+    if page_size:
+        pages = capacity // page_size
+        k_cache = randn(batch * pages, page_size, heads_kv, head_dim, dtype=torch.bfloat16)
+        block_table = torch.randperm(batch * pages, device="cuda").to(torch.int32).reshape(batch, pages)
+    else:
+        k_cache = randn(batch, capacity, heads_kv, head_dim, dtype=torch.bfloat16)
+        block_table = None
+    v_cache = torch.randn_like(k_cache)
+    q = randn(batch, 1, 8, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(batch, 1, heads_kv, head_dim, dtype=torch.bfloat16) for _ in range(2))
+
+    def step(q, k_cache, v_cache, k, v, lengths):
+        return cute_flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths,
+                                                  block_table=block_table, causal=True, return_softmax_lse=True)
+
+    eager_caches = (k_cache.clone(), v_cache.clone())
+    ref_out, ref_lse = step(q, *eager_caches, k, v, lengths)
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True)(q, k_cache, v_cache, k, v, lengths)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+    assert torch.equal(k_cache, eager_caches[0]) and torch.equal(v_cache, eager_caches[1])
