@@ -268,7 +268,7 @@ def decode_launcher(plan: DecodePlan) -> Callable:
     use them, leftpad (cache_leftpad) where the plan has none; mod_args (window sides, softcap,
     slopes: api._score_mods) only for a plan with mods."""
     main = plan.main.compiled()
-    # both merges up front: a launch may be captured into a CUDA graph, where loading a module is not
+    # both merges up front, so no later call compiles or loads a kernel (as one inside a CUDA graph capture would)
     combines = {dispatch.DECODE_MERGE_WARPS: plan.combine.compiled(),
                 dispatch.DECODE_WIDE_MERGE_WARPS: plan.combine_wide.compiled()}
 
