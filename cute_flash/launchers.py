@@ -268,7 +268,7 @@ def decode_launcher(plan: DecodePlan) -> Callable:
     use them, leftpad (cache_leftpad) where the plan has none; mod_args (window sides, softcap,
     slopes: api._score_mods) only for a plan with mods."""
     main = plan.main.compiled()
-    # every merge up front: a launch may be captured into a CUDA graph, where loading a module is not
+    # every merge up front, so no later call compiles or loads a kernel (as one inside a CUDA graph capture would)
     combines = {shape: merge.compiled() for shape, merge in plan.combines.items()}
 
     def launch(q, k_cache, v_cache, out, lse, cache_seqlens, seqlen_new, batch_idx, block_table, leftpad,
