@@ -59,6 +59,10 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     `_predicate_hdim`, `_zero_hdim_padding`, `_advance`); everything that addresses global memory
     is its own."""
 
+    # A contiguous cache's K / V blocks as one strided tile each (True) or row by row like a paged
+    # cache (False): an A/B switch, not a dispatch setting (the compile cache does not key on it).
+    TILE_LOADS = True
+
     def __init__(self, config: Sm80DecodeConfig):
         self.cfg = config
         self.dtype = config.dtype
@@ -394,16 +398,25 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         With `leftpad` key j is the cache's position leftpad + j."""
         dst = tXsX[None, None, None, stage]
         if n_block >= n_block_min:
+            tXgX = None
+            if cutlass.const_expr(self.page_size == 0 and self.TILE_LOADS):
+                # a contiguous cache's block is one strided tile: one partition, rows at fixed strides
+                keys = mX[cache_batch, None, head_kv, None]
+                if cutlass.const_expr(leftpad is not None):
+                    keys = cute.domain_offset((leftpad, 0), keys)
+                tXgX = gmem_thr_copy.partition_S(cute.local_tile(keys, (self.tile_n, self.tile_hdim), (n_block, 0)))
             for n in cutlass.range_constexpr(cute.size(dst.shape[1])):
                 key = n_block * self.tile_n + tXcX[0, n, 0][0]
                 if key < seqlen_k:
-                    position = key if cutlass.const_expr(leftpad is None) else key + leftpad
-                    if cutlass.const_expr(self.page_size > 0):
-                        page_idx = position // self.page_size
-                        row = mX[mBlockTable[batch, page_idx], position - page_idx * self.page_size, head_kv, None]
-                    else:
-                        row = mX[cache_batch, position, head_kv, None]
-                    src = gmem_thr_copy.partition_S(self._row_tile(row, self.tile_n))
+                    src = tXgX
+                    if cutlass.const_expr(tXgX is None):
+                        position = key if cutlass.const_expr(leftpad is None) else key + leftpad
+                        if cutlass.const_expr(self.page_size > 0):
+                            page_idx = position // self.page_size
+                            row = mX[mBlockTable[batch, page_idx], position - page_idx * self.page_size, head_kv, None]
+                        else:
+                            row = mX[cache_batch, position, head_kv, None]
+                        src = gmem_thr_copy.partition_S(self._row_tile(row, self.tile_n))
                     cute.copy(gmem_tiled_copy, src[None, n, None], dst[None, n, None],
                               pred=tXpX[None, n, None] if cutlass.const_expr(self.check_hdim) else None)
                 else:
