@@ -113,8 +113,6 @@ def dtype_arg(text: str) -> str:
                                      "or fp32 (float32)")
 
 
-
-
 def short_dtype_arg(text: str) -> str:
     """bf16 or fp16 from any of DTYPE_SPELLINGS (an argparse type)."""
     return SHORT_DTYPE_NAMES[dtype_arg(text)]

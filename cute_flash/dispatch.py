@@ -476,6 +476,16 @@ def decode_warps_along_keys(batch: int, nheads: int, nheads_kv: int, seqlen_q: i
     return rows <= DECODE_KEYS_TILE["tile_m"] and head_dim in (64, 128) and (tiles >= num_sms or tiles == 1)
 
 
+@lru_cache(maxsize=4096)
+def decode_cta_shape(batch: int, nheads: int, nheads_kv: int, seqlen_q: int, head_dim: int,
+                     num_sms: int) -> tuple[bool, bool, bool]:
+    """plan_decode's (deep, narrow, warps_along_keys) for a call's shape, once per shape (a decode
+    step asks every call)."""
+    shape = (batch, nheads, nheads_kv, seqlen_q)
+    return (decode_is_deep(*shape, head_dim), decode_is_narrow(*shape, num_sms),
+            decode_warps_along_keys(*shape, head_dim, num_sms))
+
+
 DECODE_MERGE = (8, 1)
 """The split merge's CTA as (warps, query rows): 8 warps on one row."""
 DECODE_WIDE_MERGE = (16, 1)

@@ -174,12 +174,10 @@ def _attend(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         if problem.seqlen_new:
             _append(k_cache_k, v_cache_k, k, v, lengths, batch_idx, block_table, problem.page_size)
         sms = devices.sm_count(device.index)
-        shape = (batch, problem.nheads, problem.nheads_kv, problem.seqlen_q)
-        deep = dispatch.decode_is_deep(*shape, problem.head_dim)
-        narrow = dispatch.decode_is_narrow(*shape, sms)
-        along_keys = dispatch.decode_warps_along_keys(*shape, problem.head_dim, sms)
+        cta_shape = dispatch.decode_cta_shape(batch, problem.nheads, problem.nheads_kv, problem.seqlen_q,
+                                              problem.head_dim, sms)
         launch, tile_m, tile_n, ctas_per_sm = _decode(device, q.dtype, problem.head_dim, mods.causal, problem.page_size,
-                                                      mods.flags, cache_leftpad is not None, deep, narrow, along_keys)
+                                                      mods.flags, cache_leftpad is not None, *cta_shape)
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(batch, problem.nheads, problem.seqlen_q, dtype=torch.float32, device=device)
         if num_splits == 0:

@@ -104,33 +104,23 @@ def split_tf32(src: cute.Tensor, hi: cute.Tensor, lo: cute.Tensor):
 
 
 @cute.jit
-def _split_fragment(x: cute.Tensor):
+def _tf32_parts(x: cute.Tensor, products: cutlass.Constexpr[int]):
+    """The fp32 fragment's TF32 operands: (hi, lo) for split TF32, (x rounded, None) for plain."""
     hi = cute.make_rmem_tensor(x.shape, TFloat32)
+    if cutlass.const_expr(products == 1):
+        for i in cutlass.range_constexpr(cute.size(x)):
+            hi[i] = TFloat32(round_tf32(x[i]))
+        return hi, None
     lo = cute.make_rmem_tensor(x.shape, TFloat32)
     split_tf32(x, hi, lo)
     return hi, lo
 
 
 @cute.jit
-def _round_fragment(x: cute.Tensor):
-    hi = cute.make_rmem_tensor(x.shape, TFloat32)
-    for i in cutlass.range_constexpr(cute.size(x)):
-        hi[i] = TFloat32(round_tf32(x[i]))
-    return hi
-
-
-@cute.jit
-def _load_split(tCsX_k: cute.Tensor):
+def _load_parts(tCsX_k: cute.Tensor, products: cutlass.Constexpr[int]):
     x = cute.make_rmem_tensor(tCsX_k.shape, Float32)
     cute.autovec_copy(tCsX_k, x)
-    return _split_fragment(x)
-
-
-@cute.jit
-def _load_rounded(tCsX_k: cute.Tensor):
-    x = cute.make_rmem_tensor(tCsX_k.shape, Float32)
-    cute.autovec_copy(tCsX_k, x)
-    return _round_fragment(x)
+    return _tf32_parts(x, products)
 
 
 @cute.jit
@@ -155,25 +145,17 @@ def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tenso
     target_chunks = cute.logical_divide(target, (None, None, chunk))
     tCsB_chunks = cute.logical_divide(tCsB, (None, chunk, None))
     for k in cutlass.range_constexpr(cute.size(tCsB, mode=[2])):
-        if cutlass.const_expr(products == 1):  # plain TF32: the operands rounded, one product
-            if cutlass.const_expr(tCrA is not None):
-                a_hi = _round_fragment(tCrA[None, None, k])
-            else:
-                a_hi = _load_rounded(tCsA[None, None, k])
-            for j in cutlass.range_constexpr(num_n // chunk):
-                acc_j = target_chunks[None, None, (None, j)]
-                cute.gemm(tiled_mma, acc_j, a_hi, _load_rounded(tCsB_chunks[None, (None, j), k]), acc_j)
+        if cutlass.const_expr(tCrA is not None):
+            a_hi, a_lo = _tf32_parts(tCrA[None, None, k], products)
         else:
-            if cutlass.const_expr(tCrA is not None):
-                a_hi, a_lo = _split_fragment(tCrA[None, None, k])
-            else:
-                a_hi, a_lo = _load_split(tCsA[None, None, k])
-            for j in cutlass.range_constexpr(num_n // chunk):
-                b_hi, b_lo = _load_split(tCsB_chunks[None, (None, j), k])
-                acc_j = target_chunks[None, None, (None, j)]
+            a_hi, a_lo = _load_parts(tCsA[None, None, k], products)
+        for j in cutlass.range_constexpr(num_n // chunk):
+            b_hi, b_lo = _load_parts(tCsB_chunks[None, (None, j), k], products)
+            acc_j = target_chunks[None, None, (None, j)]
+            if cutlass.const_expr(products == 3):
                 # small terms first: they are added before the large one moves the accumulator
                 cute.gemm(tiled_mma, acc_j, a_lo, b_hi, acc_j)
                 cute.gemm(tiled_mma, acc_j, a_hi, b_lo, acc_j)
-                cute.gemm(tiled_mma, acc_j, a_hi, b_hi, acc_j)
+            cute.gemm(tiled_mma, acc_j, a_hi, b_hi, acc_j)
     if cutlass.const_expr(fresh_sum):
         acc.store(acc.load() + target.load())

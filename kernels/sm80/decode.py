@@ -46,9 +46,8 @@ from ..common.blocks import split_block_range
 from ..common.layouts import reshape_acc_to_mn, transpose_view
 from ..common.mask import alibi_head_slope, apply_softcap, kernel_mod_args
 from ..common.softmax import LOG2_E, OnlineSoftmax
-from ..common.tf32 import gemm_split_tf32
 from .config import Sm80DecodeConfig
-from .fwd import FlashAttnFwdSm80, gemm_sm80, tiled_mma_sm80
+from .fwd import FlashAttnFwdSm80, tiled_mma_sm80
 
 PAGE_MULTIPLE = 16
 """Supported page sizes are multiples of this (any multiple: rows are gathered one by one)."""
@@ -480,12 +479,8 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         cute.arch.barrier()  # K[n_block] landed; every warp done with the V stage written next
         load_kv(mV, tVsV, n_block - (self.num_stages - 1), smem_write)
         cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_S, tSsK[None, None, None, smem_read], tCsA=tSsQ,
-                            products=self.cfg.tf32_products)
-        else:
-            gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K,
-                      tSsQ, smem_thr_copy_Q)
+        self._gemm_qk(tiled_mma, acc_S, tSrQ, tSrK, tSsK[None, None, None, smem_read], smem_thr_copy_K, tSsQ,
+                      smem_thr_copy_Q)
         self._mask(acc_S, thr_mma, m_block, n_block, warp_key0, seqlen_q, seqlen_k, group, mods)
         row_scale = softmax.online_softmax(acc_S, is_first=False, check_inf=True)
         softmax.rescale_O_if_needed(acc_O, row_scale)
@@ -494,11 +489,7 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         cute.arch.barrier()  # V[n_block] landed; every warp done with K[smem_read]
         load_kv(mK, tKsK, n_block - self.num_stages, self._advance(smem_write))
         cute.arch.cp_async_commit_group()
-        if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_O, tOsVt[None, None, None, smem_read], tCrA=tOrP,
-                            products=self.cfg.tf32_products)
-        else:
-            gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, smem_read], smem_thr_copy_V)
+        self._gemm_pv(tiled_mma, acc_O, tOrP, tOrVt, tOsVt[None, None, None, smem_read], smem_thr_copy_V)
 
     @cute.jit
     def _store_O_LSE(self, acc_O, lse, mO, mLSE, sQ, gmem_tiled_copy_O, tiled_mma, thr_mma, tidx, batch, rows):

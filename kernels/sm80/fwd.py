@@ -588,11 +588,7 @@ class FlashAttnFwdSm80:
 
         # S = Q K^T
         tSsK_cur = tSsK[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
-        if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_S, tSsK_cur, tCsA=tSsQ, products=self.cfg.tf32_products)
-        else:
-            gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K,
-                      tSsQ, smem_thr_copy_Q)
+        self._gemm_qk(tiled_mma, acc_S, tSrQ, tSrK, tSsK_cur, smem_thr_copy_K, tSsQ, smem_thr_copy_Q)
 
         next_write = self._advance(smem_write)
         n_block_k = n_block - stages
@@ -631,10 +627,24 @@ class FlashAttnFwdSm80:
 
         # O += P V
         tOsVt_cur = tOsVt[None, None, None, smem_read if cutlass.const_expr(stages > 1) else 0]
+        self._gemm_pv(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
+
+    @cute.jit
+    def _gemm_qk(self, tiled_mma, acc_S, tSrQ, tSrK, tSsK, smem_thr_copy_K, tSsQ, smem_thr_copy_Q):
+        """S = Q K^T on one K stage: TF32 products read from smem for fp32 (split or plain:
+        config.tf32_products), ldmatrix + mma.sync for 16-bit inputs."""
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_O, tOsVt_cur, tCrA=tOrP, products=self.cfg.tf32_products)
+            gemm_split_tf32(tiled_mma, acc_S, tSsK, tCsA=tSsQ, products=self.cfg.tf32_products)
         else:
-            gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt_cur, smem_thr_copy_V)
+            gemm_sm80(tiled_mma, acc_S, tSrQ, tSrK, tSsK, smem_thr_copy_K, tSsQ, smem_thr_copy_Q)
+
+    @cute.jit
+    def _gemm_pv(self, tiled_mma, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V):
+        """O += P V on one V stage, P from registers (_p_operand); as _gemm_qk."""
+        if cutlass.const_expr(self.fp32):
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt, tCrA=tOrP, products=self.cfg.tf32_products)
+        else:
+            gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
 
     def _p_operand(self, acc_S):
         """P as the A operand of P V, and its 16-bit copy: fp32 P stays in the S accumulator (split

@@ -239,6 +239,8 @@ def test_page_sizes_and_split_heuristic():
     assert not dispatch.decode_warps_along_keys(8, 32, 8, 1, 128, 132)  # 64 tiles: the narrow tile's
     assert not dispatch.decode_warps_along_keys(64, 32, 8, 1, 96, 132)
     assert dispatch.decode_warps_along_keys(1, 8, 1, 1, 128, 132)  # one tile: with the deep CTA's stages
+    assert dispatch.decode_cta_shape(1, 8, 1, 1, 128, 132) == (True, False, True)  # what kvcache asks, per shape
+    assert dispatch.decode_cta_shape(8, 32, 8, 1, 128, 132) == (False, True, False)
     # the merge's wide CTA for a few rows split many ways
     assert dispatch.decode_merge_shape(8, 128) == dispatch.DECODE_WIDE_MERGE
     assert dispatch.decode_merge_shape(8, 8) == dispatch.DECODE_MERGE
