@@ -499,13 +499,14 @@ def decode_merge_shape(rows: int, num_splits: int) -> tuple[int, int]:
     """The split merge's CTA for `rows` query rows (batch x tokens x query heads) split `num_splits`
     ways. A few rows split many ways wait on their CTAs' walks, which more warps shorten; many rows
     split a few ways would leave most warps of a CTA per row idle, and crowd the SMs with such CTAs.
-    Merge kernel time, 16 warps against 8 on a row (H200, same run, hd 128): 4.0 against 5.3 µs at
-    8 rows and 128 splits; 2.4 against 2.3 at 8 rows and a few splits, 2.7 against 2.5 at 64 rows, a
-    tie at 32 rows; 4,096 rows split 4 ways took 15 µs on 8 warps per row, 28 on 16, a quarter of the
-    call. A warp per row for 1,024 rows or more split 16 ways or fewer: not yet timed."""
+    Merge kernel time on the H200, hd 128, all three shapes in one run (2026-11-29, 1d16e73; 8 warps
+    on a row / 16 on a row / a warp per row, µs): 8 rows split 128 ways 5.2 / 4.0 / 15.5; 8 and 64
+    rows split 16 ways 2.1 / 2.2 / 3.3 and 2.4 / 2.4 / 3.9; 512 rows split 4 ways 2.8 / 4.0 / 2.4;
+    1,024 rows split 8 and 16 ways 4.4 / 6.7 / 3.4 and 4.7 / 7.2 / 4.5; 2,048 rows split 4 ways
+    6.8 / 11.4 / 2.9; 4,096 rows split 4 ways 11.9 / 21.1 / 3.8 (the call 56 → 48 µs)."""
     if rows < 32 and num_splits >= 64:
         return DECODE_WIDE_MERGE
-    if rows >= 1024 and num_splits <= 16:
+    if rows >= 512 and num_splits <= 16:
         return DECODE_ROWS_MERGE
     return DECODE_MERGE
 

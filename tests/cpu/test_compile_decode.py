@@ -246,6 +246,9 @@ def test_page_sizes_and_split_heuristic():
     assert dispatch.decode_merge_shape(8, 8) == dispatch.DECODE_MERGE
     assert dispatch.decode_merge_shape(64, 128) == dispatch.DECODE_MERGE
     assert dispatch.decode_merge_shape(4096, 4) == dispatch.DECODE_ROWS_MERGE  # batch 64, 8 tokens, 8 heads
+    assert dispatch.decode_merge_shape(512, 4) == dispatch.DECODE_ROWS_MERGE  # batch 64, one token, 8 heads
+    assert dispatch.decode_merge_shape(64, 16) == dispatch.DECODE_MERGE  # batch 8, one token, 8 heads
+    assert dispatch.decode_merge_shape(1024, 32) == dispatch.DECODE_MERGE
     assert not dispatch.decode_warps_along_keys(1, 32, 1, 1, 128, 132)  # one tile of 32 rows: the deep 64-row CTA
 
 

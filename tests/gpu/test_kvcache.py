@@ -263,7 +263,7 @@ def test_one_tile_calls_take_warps_along_keys_on_deep_stages(heads, seqlen_q, he
 
 @pytest.mark.parametrize("batch, seqlen_q, heads, capacity", [(16, 8, (8, 1), 3000), (30, 7, (5, 1), 2500)], ids=str)
 def test_many_rows_split_few_ways_merge_a_warp_per_row(batch, seqlen_q, heads, capacity):
-    """1,024 query rows or more split a few ways: dispatch.DECODE_ROWS_MERGE (8 rows per merge CTA);
+    """512 query rows or more split a few ways: dispatch.DECODE_ROWS_MERGE (8 rows per merge CTA);
     1,050 rows leave the last CTA 6 spare warps, which must write nothing."""
     from cute_flash import dispatch
 
