@@ -58,10 +58,6 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     `_predicate_hdim`, `_zero_hdim_padding`, `_advance`); everything that addresses global memory
     is its own."""
 
-    # A contiguous cache's K / V blocks as one strided tile each (True) or row by row like a paged
-    # cache (False): an A/B switch, not a dispatch setting (the compile cache does not key on it).
-    TILE_LOADS = True
-
     def __init__(self, config: Sm80DecodeConfig):
         self.cfg = config
         self.dtype = config.dtype
@@ -392,13 +388,15 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
     @cute.jit
     def _gather_kv(self, gmem_tiled_copy, gmem_thr_copy, tXcX, tXpX, seqlen_k, batch, head_kv, cache_batch,
                    mBlockTable, n_block_min, leftpad, mX, tXsX, n_block, stage):
-        """K or V block n_block into smem stage `stage`, row by row from the cache (nothing when
-        n_block is outside this split). Keys at or past seqlen_k become zeros: they meet P = 0.
-        With `leftpad` key j is the cache's position leftpad + j."""
+        """K or V block n_block into smem stage `stage` (nothing when n_block is outside this split):
+        a contiguous cache's block as one strided tile, a paged cache's row by row through the block
+        table.
+        Keys at or past seqlen_k become zeros: they meet P = 0. With `leftpad` key j is the cache's
+        position leftpad + j."""
         dst = tXsX[None, None, None, stage]
         if n_block >= n_block_min:
             tXgX = None
-            if cutlass.const_expr(self.page_size == 0 and self.TILE_LOADS):
+            if cutlass.const_expr(self.page_size == 0):
                 # a contiguous cache's block is one strided tile: one partition, rows at fixed strides
                 keys = mX[cache_batch, None, head_kv, None]
                 if cutlass.const_expr(leftpad is not None):
