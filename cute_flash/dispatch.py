@@ -337,9 +337,11 @@ class DecodePlan:
 
     @property
     def ctas_per_sm(self) -> int:
-        """Decode CTAs resident per SM, the wave decode_splits counts in: one deep CTA, else
-        DECODE_CTAS_PER_SM."""
-        return 1 if self.main.config.num_stages == DECODE_DEEP_STAGES else DECODE_CTAS_PER_SM
+        """Decode CTAs per SM in the wave decode_splits counts in: one deep CTA,
+        DECODE_KEYS_TILE_CTAS_PER_SM of DECODE_KEYS_TILE's, else DECODE_CTAS_PER_SM."""
+        if self.main.config.num_stages == DECODE_DEEP_STAGES:
+            return 1
+        return DECODE_KEYS_TILE_CTAS_PER_SM if self.main.config.warps_along_keys else DECODE_CTAS_PER_SM
 
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
@@ -398,7 +400,20 @@ def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, 
 
 DECODE_CTAS_PER_SM = 2
 """Decode CTAs resident per SM (80 KB of shared memory each at head dim 128): one wave is this
-many CTAs on every SM."""
+many CTAs on every SM. The 32-row narrow tile (72 KB) fits three, but filling the third slot with
+more splits measured 1.5–7% slower (H200, 2026-11-29: batch 8 and 1 at 32:8 and 8:1 heads; the
+splits' CTAs get shorter and the merge longer)."""
+
+DECODE_KEYS_TILE_CTAS_PER_SM = 3
+"""DECODE_KEYS_TILE's CTAs per SM: 69 KB of shared memory and at most 168 registers per thread
+(a compile test holds both), so three are resident. Counting its wave as three per SM splits
+batch 64 at 32:8 heads (512 tiles, 1.3 waves) 3 ways instead of none: +2.4%, +5.7%, +8.6% at 4k,
+8k, 32k keys (H200, 2026-11-29; 0.96–0.99x cuDNN from 0.92–0.94x)."""
+
+DECODE_SPLIT_MAX_WAVES = 4
+"""A grid of this many waves of CTAs or more is not split: its last, partial wave is a small part
+of the call, and splits add their pieces' traffic and the merge. Batch 256 at 32:8 heads (2,048
+tiles of 16 rows, 5.2 waves) split 4 ways measured 4% slower than unsplit (H200, 2026-11-29)."""
 
 DEPENDENT_LAUNCH_CAPABILITY = (9, 0)
 """From here on (griddepcontrol is sm_90 PTX) the decode kernel and its merge are launched as
@@ -523,14 +538,18 @@ def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile
                   ctas_per_sm: int = DECODE_CTAS_PER_SM) -> int:
     """num_splits=0: how many splits along the keys a decode call takes. One CTA per (packed row
     block, batch, KV head, split); the call's time is taken as its waves of `ctas_per_sm` CTAs
-    per SM (1 for a deep CTA) times one CTA's key blocks (plus DECODE_SPLIT_COST_BLOCKS), and the fewest splits with
-    the least time win: 64 CTAs on 132 SMs split 4 ways fill one wave, where 5 ways (the smallest
+    per SM (DecodePlan.ctas_per_sm) times one CTA's key blocks (plus DECODE_SPLIT_COST_BLOCKS), and
+    the fewest splits with the least time win; a grid of DECODE_SPLIT_MAX_WAVES waves or more takes
+    one: 64 CTAs on 132 SMs split 4 ways fill one wave, where 5 ways (the smallest
     split count reaching a wave) would run a second wave for 56 CTAs. Splits keep at least
     DECODE_MIN_SPLIT_BLOCKS key blocks and number at most validate.MAX_SPLITS. `max_keys` is the
     longest sequence the call may see (host-known: the cache's capacity, or the given length)."""
     blocks = -(-max_keys // tile_n)
     most = max(1, min(blocks // DECODE_MIN_SPLIT_BLOCKS, MAX_SPLITS))
-    return _fastest_split(batch * nheads_kv * m_blocks, blocks, ctas_per_sm * num_sms, most)
+    ctas, wave = batch * nheads_kv * m_blocks, ctas_per_sm * num_sms
+    if ctas >= DECODE_SPLIT_MAX_WAVES * wave:
+        return 1
+    return _fastest_split(ctas, blocks, wave, most)
 
 
 def _fastest_split(ctas: int, blocks: int, wave: int, most: int) -> int:

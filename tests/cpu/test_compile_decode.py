@@ -113,13 +113,18 @@ def test_warps_along_keys_compile_without_spills(monkeypatch, arch, head_dim, pa
     plan = dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods, deep=deep,
                                 warps_along_keys=True)
     assert plan.main.config.warps_along_keys and plan.tile_m == 16
-    assert plan.ctas_per_sm == (1 if deep else dispatch.DECODE_CTAS_PER_SM)
+    assert plan.ctas_per_sm == (1 if deep else dispatch.DECODE_KEYS_TILE_CTAS_PER_SM)
     wide = _compile(dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods,
                                          deep=deep).main, arch)
     report = _compile(plan.main, arch)
     assert report.ptx.count("mma.sync.aligned.m16n8k16") * 4 == wide.ptx.count("mma.sync.aligned.m16n8k16")
     assert report.ptx.count("bar.sync") == 4  # two per key block, two for the merge
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+    if not deep:  # DECODE_KEYS_TILE_CTAS_PER_SM of them fit an SM: registers and shared memory
+        cfg, ctas = plan.main.config, dispatch.DECODE_KEYS_TILE_CTAS_PER_SM
+        assert ctas * cfg.num_warps * 32 * (-(-report.registers // 8) * 8) <= 64 * 1024, report.registers
+        smem = 2 * (cfg.tile_m + 2 * cfg.num_stages * cfg.tile_n) * head_dim + 4 * cfg.tile_m * cfg.num_warps
+        assert ctas * (smem + 1024 + 3 * 1024) <= 228 * 1024  # Q, K and V stages, merge scratch; alignment, reserve
     # head dims whose merge scratch or Q copy do not fit keep the 64-row tile
     assert not FlashDecodeSm80.can_implement(cutlass.BFloat16, 96, False, **dict(
         FlashDecodeSm80.default_tiles(96), **dispatch.DECODE_KEYS_TILE))
@@ -218,6 +223,10 @@ def test_page_sizes_and_split_heuristic():
     assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 256  # validate.MAX_SPLITS
     assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132) == 4  # one wave of 256 CTAs, not 320 in two
     assert dispatch.decode_splits(64, 8, 1, 4096, 64, 132) == 1
+    # DECODE_KEYS_TILE's wave (3 per SM): 512 tiles are 1.3 waves, split 3 ways; 4 waves or more: unsplit
+    assert dispatch.decode_splits(64, 8, 1, 4096, 64, 132, ctas_per_sm=3) == 3
+    assert dispatch.decode_splits(256, 8, 1, 4096, 64, 132, ctas_per_sm=3) == 1
+    assert dispatch.decode_splits(132, 8, 1, 4096, 64, 132) == 1  # 4 waves of 2 per SM
     # a deep CTA: one per SM, so one wave is 132 CTAs
     assert dispatch.decode_splits(1, 1, 1, 131072, 64, 132, ctas_per_sm=1) == 128
     assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132, ctas_per_sm=1) == 2
