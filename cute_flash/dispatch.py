@@ -526,8 +526,12 @@ def decode_merge_shape(rows: int, num_splits: int) -> tuple[int, int]:
     return DECODE_MERGE
 
 
-DECODE_MIN_SPLIT_BLOCKS = 4
-"""A split reads at least this many key blocks, so the merge stays small next to the reads."""
+DECODE_MIN_SPLIT_BLOCKS = 2
+"""A split reads at least this many key blocks, so the merge stays small next to the reads. Short
+calls are latency-bound, and more, shorter splits win there: against 4 blocks (H200, 2026-11-29,
+graph step, one token, hd 128) batch 1 2k 8:1 7.85 → 6.87 µs, 4k 8:1 8.19 → 7.36 (cuDNN 7.46),
+8k 8:1 9.53 → 8.97, batch 1 4k 32:8 11.04 → 10.75, batch 8 4k 8:1 11.24 → 10.90; one block per
+split was faster still at 4k 8:1 (7.16) but slower at 32:8 (13.4: two waves)."""
 
 DECODE_SPLIT_COST_BLOCKS = 1
 """What a CTA costs beyond its key blocks (loading Q, writing its piece), in key-block reads."""

@@ -218,7 +218,8 @@ def test_page_sizes_and_split_heuristic():
     # enough CTAs already: no split; one long sequence: split up to the SM target, bounded by the keys
     assert dispatch.decode_splits(64, 8, 1, 8192, 64, 132) == 1
     assert dispatch.decode_splits(1, 8, 1, 131072, 64, 132) == 33
-    assert dispatch.decode_splits(1, 8, 1, 1024, 64, 132) == 4  # 16 blocks, at least 4 per split
+    assert dispatch.decode_splits(1, 8, 1, 1024, 64, 132) == 8  # 16 blocks, at least 2 per split
+    assert dispatch.decode_splits(1, 1, 1, 4096, 64, 132, ctas_per_sm=1) == 32  # batch 1 4k 8:1
     assert dispatch.decode_splits(1, 1, 1, 64, 64, 132) == 1
     assert dispatch.decode_splits(1, 1, 1, 10 ** 7, 64, 132) == 256  # validate.MAX_SPLITS
     assert dispatch.decode_splits(8, 8, 1, 32768, 64, 132) == 4  # one wave of 256 CTAs, not 320 in two
