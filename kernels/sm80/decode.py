@@ -390,14 +390,12 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
                    mBlockTable, n_block_min, leftpad, mX, tXsX, n_block, stage):
         """K or V block n_block into smem stage `stage` (nothing when n_block is outside this split):
         a contiguous cache's block as one strided tile, a paged cache's row by row through the block
-        table.
-        Keys at or past seqlen_k become zeros: they meet P = 0. With `leftpad` key j is the cache's
-        position leftpad + j."""
+        table. Keys at or past seqlen_k become zeros: they meet P = 0. With `leftpad` key j is the
+        cache's position leftpad + j."""
         dst = tXsX[None, None, None, stage]
         if n_block >= n_block_min:
-            tXgX = None
             if cutlass.const_expr(self.page_size == 0):
-                # a contiguous cache's block is one strided tile: one partition, rows at fixed strides
+                # one partition for the block: its rows lie at fixed strides
                 keys = mX[cache_batch, None, head_kv, None]
                 if cutlass.const_expr(leftpad is not None):
                     keys = cute.domain_offset((leftpad, 0), keys)
@@ -405,14 +403,12 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
             for n in cutlass.range_constexpr(cute.size(dst.shape[1])):
                 key = n_block * self.tile_n + tXcX[0, n, 0][0]
                 if key < seqlen_k:
-                    src = tXgX
-                    if cutlass.const_expr(tXgX is None):
+                    if cutlass.const_expr(self.page_size == 0):
+                        src = tXgX
+                    else:
                         position = key if cutlass.const_expr(leftpad is None) else key + leftpad
-                        if cutlass.const_expr(self.page_size > 0):
-                            page_idx = position // self.page_size
-                            row = mX[mBlockTable[batch, page_idx], position - page_idx * self.page_size, head_kv, None]
-                        else:
-                            row = mX[cache_batch, position, head_kv, None]
+                        page_idx = position // self.page_size
+                        row = mX[mBlockTable[batch, page_idx], position - page_idx * self.page_size, head_kv, None]
                         src = gmem_thr_copy.partition_S(self._row_tile(row, self.tile_n))
                     cute.copy(gmem_tiled_copy, src[None, n, None], dst[None, n, None],
                               pred=tXpX[None, n, None] if cutlass.const_expr(self.check_hdim) else None)
