@@ -97,7 +97,9 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, caps
         pre = compile_report(*plan.pre.build(), arch=arch)
         post = compile_report(*plan.post.build(), arch=arch)
     assert pre.spill_bytes == 0 and post.spill_bytes == 0
-    assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
+    assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the row's lanes
+    assert "ld.global.v4" in pre.ptx  # O and dO arrive as 16-byte vectors
+    assert "st.global.v4" in pre.ptx  # the dQ workspace is zeroed in 16-byte vectors
     assert "ld.global.b32" in post.ptx  # the workspace is read back one float per thread, coalesced
     assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
 
