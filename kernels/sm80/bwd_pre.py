@@ -46,10 +46,11 @@ class FlashAttnBwdPreprocessSm80:
         self.head_dim = head_dim
         self.varlen = config.varlen
         # A row's 128-bit chunks are spread over a power-of-two group of lanes (8 at head dim 64 in
-        # 16 bits), so every lane loads and no lane idles at small head dims.
+        # 16 bits), so no lane idles at head dims from 32; at least 4 lanes per row keep a CTA's
+        # rows in one pass of its 128 threads.
         self.vec = VECTOR_BITS // dtype.width
         self.chunks = head_dim // self.vec
-        self.lanes_per_row = min(32, 1 << (self.chunks - 1).bit_length())
+        self.lanes_per_row = min(32, max(4, 1 << (self.chunks - 1).bit_length()))
         self.chunks_per_lane = -(-self.chunks // self.lanes_per_row)
         self.rows_per_pass = self.num_threads // self.lanes_per_row
         assert self.rows_per_cta % self.rows_per_pass == 0

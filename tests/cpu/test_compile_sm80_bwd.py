@@ -89,7 +89,7 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
 
 # d = 256 on sm_90a reads dQ back in 64-column chunks.
 @pytest.mark.parametrize("dtype,head_dim,arch", [(BF16, 64, ARCH), (FP16, 40, ARCH), (BF16, 256, ARCH),
-                                                 (FP16, 256, "sm_90a")])
+                                                 (FP16, 256, "sm_90a"), (FP16, 8, ARCH), (FP32, 8, ARCH)])
 def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, capsys):
     with capsys.disabled():
         plan = backward_plan(dtype, head_dim, False, arch=arch)
