@@ -5,11 +5,11 @@ For every (batch, head, query row i):
     LSElog2_i  = LSE_i * log2(e)               so the main kernel computes P with one exp2 per entry
 
 Both are written to row-padded buffers (length a multiple of every m_block size) so the main
-kernel can read whole blocks without bounds checks, and each CTA zeroes the main kernel's fp32 dQ
-workspace rows that match its statistics rows (one pass over memory instead of a separate fill); a packed variable-length batch (config.varlen,
+kernel can read whole blocks without bounds checks; a packed variable-length batch (config.varlen,
 `call_varlen`) pads each sequence within one packed buffer (layouts.packed_stat_offset). Rows past
 seqlen_q, and rows that saw no key (LSE = -inf), get LSElog2 = +inf and D = 0: their
-probabilities exp2(s - inf) come out exactly 0.
+probabilities exp2(s - inf) come out exactly 0. Each CTA also zeroes the main kernel's fp32 dQ
+workspace rows that match its statistics rows (one pass over memory instead of a separate fill).
 """
 
 from __future__ import annotations
