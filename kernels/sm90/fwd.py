@@ -67,7 +67,7 @@ from .fwd_loads import ForwardLoads
 from .primitives import (
     TURN_BARRIER_BASE, f32_after, gemm, opaque_i32, role_namespace, wait_full,
 )
-from .tile_scheduler import SCHEDULE_STAGES, TailPlan, TileScheduler
+from .tile_scheduler import LONGEST_FIRST_MAX_SEQUENCES, SCHEDULE_STAGES, TailPlan, TileScheduler
 
 
 class FlashAttnFwdSm90(ForwardLoads):
@@ -252,6 +252,8 @@ class FlashAttnFwdSm90(ForwardLoads):
             pieces_done: cute.struct.MemRange[Int32, 1]  # the tail split's counter, read back
             mbar_sched: cute.struct.MemRange[cutlass.Int64, 2 * SCHEDULE_STAGES]
             sched_units: cute.struct.MemRange[Int32, SCHEDULE_STAGES]
+            # a packed batch's sequences, longest first (TileScheduler.order_sequences)
+            seq_order: cute.struct.MemRange[Int32, LONGEST_FIRST_MAX_SEQUENCES if self.cfg.varlen else 0]
 
         grid_seqlen_q, num_batch = self.scheduler.walk_extent(mQ.shape[0], mQ.shape[3],
                                                               self.scheduler.packed_walk(*varlen_args))
@@ -360,6 +362,13 @@ class FlashAttnFwdSm90(ForwardLoads):
         if const_expr(self.cfg.planned_tail):
             # A causal kernel never splits its tail: the walk plan takes the counters' place.
             walk_plan = SimpleNamespace(first=mPieceCount[0], units=cute.domain_offset((1,), mPieceCount))
+        # A packed batch's sequence bounds (config.varlen), None for a dense one; its walk order is
+        # ranked here by all threads, before the barrier below.
+        varlen = None
+        if const_expr(self.cfg.varlen):
+            sOrder = storage.seq_order.get_tensor(cute.make_layout(LONGEST_FIRST_MAX_SEQUENCES))
+            varlen = self.scheduler.packed_walk(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, sOrder)
+            self.scheduler.order_sequences(varlen, tidx, self.cfg.num_threads)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
@@ -375,8 +384,6 @@ class FlashAttnFwdSm90(ForwardLoads):
 
         # The window's sides, None without one (config.window).
         window = (window_left, window_right) if const_expr(self.cfg.window) else None
-        # A packed batch's sequence bounds (config.varlen), None for a dense one.
-        varlen = self.scheduler.packed_walk(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q)
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.cfg.register_split[0])
             if warp_idx == 0:

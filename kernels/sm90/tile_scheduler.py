@@ -45,6 +45,9 @@ SCHEDULE_STAGES = 2  # next-unit slots between the producer and the consumers (d
 TILE_COST_BLOCKS = 1.2
 PLANNED_TAIL_ROUNDS = 4  # at most this many full rounds before the end are planned
 NO_UNIT = 2**31 - 1  # a walk plan's entry for a CTA that has no more units
+# A packed batch of up to this many sequences is walked longest first (their order is ranked in
+# shared memory when the kernel starts, order_sequences); a larger one in its given order.
+LONGEST_FIRST_MAX_SEQUENCES = 256
 
 
 class TailPlan:
@@ -343,12 +346,33 @@ class TileScheduler:
         return unit, state
 
     @staticmethod
-    def packed_walk(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q):
-        """A packed batch's bounds as unit_work reads them (config.varlen), None for a dense one."""
+    def packed_walk(mCuSeqlensQ, mCuSeqlensK, max_seqlen_q, sOrder=None):
+        """A packed batch's bounds as unit_work reads them (config.varlen), None for a dense one;
+        sOrder: the kernel's shared-memory ranking of the sequences (order_sequences)."""
         if mCuSeqlensQ is None:
             return None
         return SimpleNamespace(mCuSeqlensQ=mCuSeqlensQ, mCuSeqlensK=mCuSeqlensK, max_seqlen_q=max_seqlen_q,
-                               num_batch=mCuSeqlensQ.shape[0] - 1)
+                               num_batch=mCuSeqlensQ.shape[0] - 1, sOrder=sOrder)
+
+    @cute.jit
+    def order_sequences(self, varlen, tidx, num_threads: cutlass.Constexpr):
+        """Every thread of the CTA, before the roles split: varlen.sOrder[r] = the sequence of rank
+        r by key length, longest first (ties by index). A tile's longest K/V walk is its sequence's
+        key blocks, so the walk, which visits the tiles of one sequence after another, starts the
+        longest ones first and ends on short ones (the longest-processing-time rule across
+        sequences; within a sequence the tile order's). O(batch^2) compares per CTA, hence the cap."""
+        if varlen.num_batch <= LONGEST_FIRST_MAX_SEQUENCES:
+            for b in cutlass.range(tidx, varlen.num_batch, num_threads, unroll=1):
+                _, length = sequence_bounds(varlen.mCuSeqlensK, b)
+                rank = Int32(0)
+                for j in cutlass.range(varlen.num_batch, unroll=1):
+                    _, other = sequence_bounds(varlen.mCuSeqlensK, j)
+                    if other > length:
+                        rank += 1
+                    elif other == length:
+                        if j < b:
+                            rank += 1
+                varlen.sOrder[rank] = b
 
     @staticmethod
     def walk_extent(seqlen_q, num_batch, varlen):
@@ -384,8 +408,9 @@ class TileScheduler:
 
         A dense batch's sequences are the kernel's (offsets None). A packed one (`varlen`: its
         cu_seqlens, config.varlen) walks every sequence's tiles at the count of the longest
-        (seqlen_q is max_seqlen_q here); a tile past its own sequence's end gets no blocks, and
-        its rows, all past seqlen_q, are never stored."""
+        (seqlen_q is max_seqlen_q here), the sequences longest first (order_sequences); a tile
+        past its own sequence's end gets no blocks, and its rows, all past seqlen_q, are never
+        stored."""
         tile = unit
         slot = Int32(-1)
         plan = self.tail_plan_words(split) if const_expr(self.cfg.splits_tail) else None
@@ -396,6 +421,8 @@ class TileScheduler:
         m_block, head, batch = self.tile_coord(tile, seqlen_q, seqlen_k, num_heads, num_batch)
         seq = SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=None, offset_k=None)
         if const_expr(varlen is not None):
+            if varlen.num_batch <= LONGEST_FIRST_MAX_SEQUENCES:
+                batch = varlen.sOrder[batch]  # the walk's batch-th sequence, longest first
             offset_q, seqlen_q = sequence_bounds(varlen.mCuSeqlensQ, batch)
             offset_k, seqlen_k = sequence_bounds(varlen.mCuSeqlensK, batch)
             seq = SimpleNamespace(seqlen_q=seqlen_q, seqlen_k=seqlen_k, offset_q=offset_q, offset_k=offset_k)

@@ -116,6 +116,10 @@ def test_varlen_forward_head_dims(head_dim, causal):
     q, k, v, _, cu_q, cu_k, max_q, max_k = batch((torch.bfloat16, head_dim, 2, 1))
     with served_by(expected_forward_family(head_dim, q.dtype)):
         out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+    check_forward_sequences(out, lse, q, k, v, cu_q, cu_k, causal)
+
+
+def check_forward_sequences(out, lse, q, k, v, cu_q, cu_k, causal):
     for b, rows_q, rows_k in sequences(cu_q, cu_k):
         if rows_q.start == rows_q.stop:
             continue
@@ -124,6 +128,24 @@ def test_varlen_forward_head_dims(head_dim, causal):
             continue
         assert_forward_accurate(out[rows_q][None], lse[:, rows_q][None], q[rows_q][None], k[rows_k][None],
                                 v[rows_k][None], causal)
+
+
+# The Hopper forward walks up to 256 sequences longest first (ranked by key length, ties by index:
+# kernels/sm90/tile_scheduler.py, order_sequences) and more in their given order: equal lengths,
+# and 300 short sequences, each computed once and in full.
+WALK_ORDER_LENGTHS = {
+    "ties": ([64, 200, 64, 1, 200, 0, 64, 300, 300, 1, 17, 64], [64, 200, 64, 1, 200, 5, 64, 300, 300, 1, 17, 64]),
+    "over-256": ([(7 * i) % 41 for i in range(300)], [(11 * i) % 37 + (i % 3 == 0) for i in range(300)]),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", WALK_ORDER_LENGTHS.values(), ids=WALK_ORDER_LENGTHS.keys())
+def test_varlen_forward_walk_order(lengths, causal):
+    q, k, v, _, cu_q, cu_k, max_q, max_k = batch((torch.bfloat16, 64, 2, 1), *lengths)
+    with served_by(expected_forward_family(64, q.dtype)):
+        out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
+    check_forward_sequences(out, lse, q, k, v, cu_q, cu_k, causal)
 
 
 def test_varlen_fp32():
