@@ -46,6 +46,11 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
     offset, seqlen = sequence_bounds(mCuSeqlens, batch)
         Sequence `batch`'s first packed row and length, read from its cu_seqlens (int32, device).
 
+    key_length_rank(mCuSeqlensK, batch, num_batch) -> Int32
+        Sequence `batch`'s place when a packed batch's sequences are ordered by key length, longest
+        first, ties by index (O(num_batch) loads; the walks that start the longest sequences first
+        rank at most LONGEST_FIRST_MAX_SEQUENCES of them).
+
     rows_from(mX, offset, mode) -> cute.Tensor
         mX (any rank, TMA coordinate tensors too) with mode `mode` starting at row `offset`: a
         packed sequence seen from its first row (the Hopper forward's varlen views); mX itself
@@ -80,6 +85,24 @@ def sequence_rows(mX: cute.Tensor, batch, head, offset) -> cute.Tensor:
 def sequence_bounds(mCuSeqlens: cute.Tensor, batch):
     offset = mCuSeqlens[batch]
     return offset, mCuSeqlens[batch + 1] - offset
+
+
+LONGEST_FIRST_MAX_SEQUENCES = 256
+"""Packed batches of up to this many sequences are walked longest first (key_length_rank)."""
+
+
+@cute.jit
+def key_length_rank(mCuSeqlensK: cute.Tensor, batch, num_batch):
+    _, length = sequence_bounds(mCuSeqlensK, batch)
+    rank = cutlass.Int32(0)
+    for j in cutlass.range(num_batch, unroll=1):
+        _, other = sequence_bounds(mCuSeqlensK, j)
+        if other > length:
+            rank += 1
+        elif other == length:
+            if j < batch:
+                rank += 1
+    return rank
 
 
 def rows_from(mX: cute.Tensor, offset, mode: int) -> cute.Tensor:

@@ -62,7 +62,8 @@ from cutlass.tensor_utils.layout import LayoutEnum
 from ..common.blocks import BlockRanges
 from ..common.entry_points import BackwardEntryPoints
 from ..common.layouts import (
-    gmem_tiled_copy, packed_stat_offset, reshape_acc_to_mn, rows_from, sequence_bounds, transpose_view,
+    LONGEST_FIRST_MAX_SEQUENCES, gmem_tiled_copy, key_length_rank, packed_stat_offset, reshape_acc_to_mn, rows_from,
+    sequence_bounds, transpose_view,
 )
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.packed16 import convert_f32_to_16bit
@@ -149,6 +150,8 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
     if cfg.split_head_dim:
         fields["sP"] = tile(cfg.dtype, sdS_layout)
     fields["sdQ"] = tile(Float32, cfg.m_block_size * cfg.head_dim)
+    if cfg.varlen:
+        fields["seq_of_rank"] = cute.struct.MemRange[Int32, 1]  # this CTA's sequence (kernel)
     return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
@@ -312,6 +315,10 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             )
             for mbar in (storage.mbar_Q, storage.mbar_dO)
         ]
+        sSeq = None
+        if const_expr(cfg.varlen):
+            sSeq = storage.seq_of_rank.get_tensor(cute.make_layout(1))
+            self.rank_sequence(sSeq, mCuSeqlensK, batch, tidx)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
 
@@ -333,6 +340,7 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         tensor_batch = batch
         dkv_rows = None
         if const_expr(cfg.varlen):
+            batch = sSeq[0]
             offset_q, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
             offset_k, seqlen_k = sequence_bounds(mCuSeqlensK, batch)
             stat_offset = packed_stat_offset(offset_q, batch)
@@ -342,7 +350,7 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             mdQaccum = rows_from(mdQaccum, stat_offset * cfg.head_dim, 2)
             # Kernel parameters until the epilogue, where the sequence's rows are found again: views
             # made here would hold their offsets and strides in registers through the main loop.
-            dkv_rows = SimpleNamespace(mdK=mdK_rows, mdV=mdV_rows, mCuSeqlensK=mCuSeqlensK, batch=batch)
+            dkv_rows = SimpleNamespace(mdK=mdK_rows, mdV=mdV_rows, mCuSeqlensK=mCuSeqlensK, sSeq=sSeq)
             tensor_batch = 0
         walk = self.query_walk(n_block, head_kv, seqlen_q, seqlen_k, mQ.shape[2], mK.shape[2], window)
 
@@ -363,8 +371,8 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             else:
                 cute.arch.setmaxregister_increase(cfg.register_split[1])
                 self.consumer(tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, s, pipeline_kv, pipeline_q, pipeline_do,
-                              tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv, batch, tensor_batch,
-                              seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
+                              tma_atom_dK, mdK, tma_atom_dV, mdV, walk, n_block, head_kv,
+                              sSeq if const_expr(cfg.varlen) else batch, tensor_batch, seqlen_q, seqlen_k, softmax_scale, softmax_scale_log2, tidx - 128, window,
                               softcap_pre, mAlibiSlopes, alibi_scale, dkv_rows,
                               SimpleNamespace(seed=philox_seed, offset=philox_offset, threshold=dropout_threshold,
                                               scale=dropout_scale, num_heads=mQ.shape[2]))
@@ -394,6 +402,27 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
     def step(self, walk: SimpleNamespace, i: Int32):
         head_in_group = i // walk.blocks
         return walk.first_head + head_in_group, walk.m_block_min + i - head_in_group * walk.blocks
+
+    @cute.jit
+    def rank_sequence(self, sSeq: cute.Tensor, mCuSeqlensK: cute.Tensor, rank: Int32, tidx: Int32):
+        """Packed: longest sequences first. blockIdx.z is taken as a rank by key length
+        (layouts.key_length_rank); the hardware hands out CTAs in block-index order, so the longest
+        K/V walks start first and short ones fill the end. The thread that finds the sequence of
+        this rank writes it to sSeq[0], before the CTA's barrier that follows; beyond
+        LONGEST_FIRST_MAX_SEQUENCES sequences the rank is the sequence."""
+        num_batch = mCuSeqlensK.shape[0] - 1
+        if num_batch <= LONGEST_FIRST_MAX_SEQUENCES:
+            for b in cutlass.range(tidx, num_batch, self.cfg.num_threads, unroll=1):
+                if key_length_rank(mCuSeqlensK, b, num_batch) == rank:
+                    sSeq[0] = b
+        elif tidx == 0:
+            sSeq[0] = rank
+
+    def sequence_index(self, batch):
+        """The batch index of the CTA's sequence where the consumers use it: blockIdx.z for a dense
+        batch; a packed one's is read again from shared memory at each use (held in a register
+        through the main loop, it spilled)."""
+        return batch[0] if const_expr(self.cfg.varlen) else batch
 
     # -------------------------------------------------------------------------------------- consumers
 
@@ -520,7 +549,7 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             dtanh = cute.make_rmem_tensor_like(c.acc_S, cutlass.Float16)
             dtanh.store((1.0 - c.acc_S.load() * c.acc_S.load()).to(cutlass.Float16))
         if const_expr(cfg.alibi):
-            slope = alibi_head_slope(c.mAlibiSlopes, c.alibi_scale, c.batch, head)
+            slope = alibi_head_slope(c.mAlibiSlopes, c.alibi_scale, self.sequence_index(c.batch), head)
             apply_alibi(c.acc_S, c.thr_SdP, cfg.m_block_size, cfg.n_block_size, m_block, c.n_block, c.seqlen_q,
                         c.seqlen_k, slope, transposed=True)
         if const_expr(cfg.causal and cfg.m_block_size == 128):
@@ -683,7 +712,7 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         if const_expr(dkv_rows is not None):
             s2g = gmem_tiled_copy(cute.nvgpu.CopyUniversalOp(), self.cfg.dtype, self.cfg.num_mma_threads,
                                   math.gcd(d, 64))
-            offset_k, seqlen_k = sequence_bounds(dkv_rows.mCuSeqlensK, dkv_rows.batch)
+            offset_k, seqlen_k = sequence_bounds(dkv_rows.mCuSeqlensK, dkv_rows.sSeq[0])
             for mX, sX in ((dkv_rows.mdV, s.sV), (dkv_rows.mdK, s.sK)):
                 gX = cute.local_tile(rows_from(mX, offset_k, 0)[None, None, head_kv, 0], (n, d), (n_block, 0))
                 store_smem_tile(sX[None, None, 0], gX, s2g, seqlen_k - n_block * n, d, tidx)

@@ -56,7 +56,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.tensor_utils.layout import LayoutEnum
 
 from ..common.blocks import BlockRanges, kv_head
-from ..common.layouts import gmem_tiled_copy, reshape_acc_to_mn, rows_from
+from ..common.layouts import LONGEST_FIRST_MAX_SEQUENCES, gmem_tiled_copy, reshape_acc_to_mn, rows_from
 from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softcap, kernel_mod_args
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.packed16 import convert_f32_to_16bit
@@ -67,7 +67,7 @@ from .fwd_loads import ForwardLoads
 from .primitives import (
     TURN_BARRIER_BASE, f32_after, gemm, opaque_i32, role_namespace, wait_full,
 )
-from .tile_scheduler import LONGEST_FIRST_MAX_SEQUENCES, SCHEDULE_STAGES, TailPlan, TileScheduler
+from .tile_scheduler import SCHEDULE_STAGES, TailPlan, TileScheduler
 
 
 class FlashAttnFwdSm90(ForwardLoads):

@@ -29,7 +29,7 @@ from cutlass import Int32, const_expr
 from types import SimpleNamespace
 
 from ..common.blocks import BlockRanges
-from ..common.layouts import sequence_bounds
+from ..common.layouts import LONGEST_FIRST_MAX_SEQUENCES, key_length_rank, sequence_bounds
 from .config import Sm90FwdConfig
 from .primitives import acquire_empty, wait_full
 
@@ -45,9 +45,6 @@ SCHEDULE_STAGES = 2  # next-unit slots between the producer and the consumers (d
 TILE_COST_BLOCKS = 1.2
 PLANNED_TAIL_ROUNDS = 4  # at most this many full rounds before the end are planned
 NO_UNIT = 2**31 - 1  # a walk plan's entry for a CTA that has no more units
-# A packed batch of up to this many sequences is walked longest first (their order is ranked in
-# shared memory when the kernel starts, order_sequences); a larger one in its given order.
-LONGEST_FIRST_MAX_SEQUENCES = 256
 
 
 class TailPlan:
@@ -357,22 +354,14 @@ class TileScheduler:
     @cute.jit
     def order_sequences(self, varlen, tidx, num_threads: cutlass.Constexpr):
         """Every thread of the CTA, before the roles split: varlen.sOrder[r] = the sequence of rank
-        r by key length, longest first (ties by index). A tile's longest K/V walk is its sequence's
-        key blocks, so the walk, which visits the tiles of one sequence after another, starts the
-        longest ones first and ends on short ones (the longest-processing-time rule across
-        sequences; within a sequence the tile order's). O(batch^2) compares per CTA, hence the cap."""
+        r by key length, longest first (layouts.key_length_rank). A tile's longest K/V walk is its
+        sequence's key blocks, so the walk, which visits the tiles of one sequence after another,
+        starts the longest ones first and ends on short ones (the longest-processing-time rule
+        across sequences; within a sequence the tile order's). O(batch^2) loads per CTA, hence the
+        cap (layouts.LONGEST_FIRST_MAX_SEQUENCES)."""
         if varlen.num_batch <= LONGEST_FIRST_MAX_SEQUENCES:
             for b in cutlass.range(tidx, varlen.num_batch, num_threads, unroll=1):
-                _, length = sequence_bounds(varlen.mCuSeqlensK, b)
-                rank = Int32(0)
-                for j in cutlass.range(varlen.num_batch, unroll=1):
-                    _, other = sequence_bounds(varlen.mCuSeqlensK, j)
-                    if other > length:
-                        rank += 1
-                    elif other == length:
-                        if j < b:
-                            rank += 1
-                varlen.sOrder[rank] = b
+                varlen.sOrder[key_length_rank(varlen.mCuSeqlensK, b, varlen.num_batch)] = b
 
     @staticmethod
     def walk_extent(seqlen_q, num_batch, varlen):

@@ -130,9 +130,10 @@ def check_forward_sequences(out, lse, q, k, v, cu_q, cu_k, causal):
                                 v[rows_k][None], causal)
 
 
-# The Hopper forward walks up to 256 sequences longest first (ranked by key length, ties by index:
-# kernels/sm90/tile_scheduler.py, order_sequences) and more in their given order: equal lengths,
-# and 300 short sequences, each computed once and in full.
+# The Hopper kernels walk up to 256 sequences longest first (ranked by key length, ties by index:
+# kernels/common/layouts.py, key_length_rank; the forward's TileScheduler.order_sequences, the
+# backward's rank_sequence) and more in their given order: equal lengths, and 300 short
+# sequences, each computed once and in full, forward and backward.
 WALK_ORDER_LENGTHS = {
     "ties": ([64, 200, 64, 1, 200, 0, 64, 300, 300, 1, 17, 64], [64, 200, 64, 1, 200, 5, 64, 300, 300, 1, 17, 64]),
     "over-256": ([(7 * i) % 41 for i in range(300)], [(11 * i) % 37 + (i % 3 == 0) for i in range(300)]),
@@ -141,11 +142,10 @@ WALK_ORDER_LENGTHS = {
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lengths", WALK_ORDER_LENGTHS.values(), ids=WALK_ORDER_LENGTHS.keys())
-def test_varlen_forward_walk_order(lengths, causal):
-    q, k, v, _, cu_q, cu_k, max_q, max_k = batch((torch.bfloat16, 64, 2, 1), *lengths)
-    with served_by(expected_forward_family(64, q.dtype)):
-        out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
-    check_forward_sequences(out, lse, q, k, v, cu_q, cu_k, causal)
+def test_varlen_walk_order(lengths, causal):
+    q, k, v, dout, cu_q, cu_k, max_q, max_k = batch((torch.bfloat16, 64, 2, 1), *lengths)
+    out, lse, grads = run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal)
+    check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal)
 
 
 def test_varlen_fp32():
