@@ -104,6 +104,18 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, caps
     assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
 
 
+def test_preprocess_lays_out_every_head_dim():
+    """A row's 16-byte chunks over a power-of-two group of lanes that covers them, a CTA's 32 rows in
+    whole passes of its 128 threads, for every head dim and dtype the backward takes."""
+    from cute_flash.kernels.sm80.config import Sm80BwdPreConfig
+    for dtype in (BF16, FP16, FP32):
+        for head_dim in range(8, 257, 8):
+            pre = FlashAttnBwdPreprocessSm80(Sm80BwdPreConfig(dtype, head_dim))
+            assert pre.lanes_per_row * pre.chunks_per_lane >= pre.chunks == head_dim * dtype.width // 128
+            assert pre.lanes_per_row & (pre.lanes_per_row - 1) == 0 and 4 <= pre.lanes_per_row <= 32
+            assert pre.rows_per_cta % pre.rows_per_pass == 0
+
+
 # The grouped-query backward's group sum, which the C library runs (the Python package sums with
 # torch): one 16-byte vector per thread and row of the output, two from each fp32 workspace row,
 # added in a fixed order (no atomics), and one rounding.
