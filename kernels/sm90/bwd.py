@@ -270,7 +270,8 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             mdQaccum, mdQsemaphore, softmax_scale, score_scale * Float32(LOG2_E),
             tiled_mma_SdP, tiled_mma_dKV, tiled_mma_dQ, sQ_layout, sK_layout, sdS_layout, stat_layout, SharedStorage,
             **mods, **varlen_kwargs,
-        ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 use_pdl=True)  # programmatic dependent launch: see griddepcontrol_wait in kernel
 
     @cute.kernel
     def kernel(
@@ -321,6 +322,9 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             self.rank_sequence(sSeq, mCuSeqlensK, batch, tidx)
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
+        # Dependent launch: this grid may start before the preprocess ahead of it in the stream has
+        # flushed LSE·log2(e), D and the zeroed dQ sums. Nothing above touches global memory.
+        cute.arch.griddepcontrol_wait()
 
         s = SimpleNamespace(
             sQ=storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner),

@@ -65,7 +65,8 @@ class FlashAttnBwdPostprocessSm90:
             grid = (cute.ceil_div(max_seqlen_q, m), mdQ.shape[2], mCuSeqlensQ.shape[0] - 1)
         self.kernel(mdQaccum, mdQ, softmax_scale, dq_tiled_mma(self.cfg), s2g, sdQ_layout, SharedStorage,
                     mCuSeqlensQ).launch(
-            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream
+            grid=grid, block=[self.num_threads, 1, 1], smem=SharedStorage.size_in_bytes(), stream=stream,
+            use_pdl=True,  # launched while the main kernel's CTAs drain: see griddepcontrol_wait in kernel
         )
 
     @cute.kernel
@@ -73,6 +74,7 @@ class FlashAttnBwdPostprocessSm90:
                s2g: cute.TiledCopy, sdQ_layout: cute.ComposedLayout, SharedStorage: cutlass.Constexpr,
                mCuSeqlensQ: cute.Tensor | None):
         m_block, head, batch = cute.arch.block_idx()
+        cute.arch.griddepcontrol_wait()  # the main kernel's last dQ sums may still be landing
         if const_expr(self.cfg.varlen):
             offset, seqlen_q = sequence_bounds(mCuSeqlensQ, batch)
             # the grid covers the longest sequence: blocks past this one's end store nothing

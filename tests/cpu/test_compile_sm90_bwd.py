@@ -48,6 +48,9 @@ def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, c
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
     assert "mbarrier.try_wait" in ptx
     assert ("ld.acquire" in ptx) == deterministic  # the ordered dQ semaphore
+    # launched dependent on the preprocess: one wait, before any load of its outputs
+    assert ptx.count("griddepcontrol.wait") == 1
+    assert ptx.index("griddepcontrol.wait") < ptx.index("cp.async.bulk.tensor")
     # 128-row blocks take 32 LSE values per query block by shuffle (4 other shuffles in every variant).
     assert (ptx.count("shfl.sync.idx") >= 32) == cfg.shared_stats
     assert cfg.shared_stats == (head_dim == 64)  # where 128-row blocks fit the registers
@@ -65,6 +68,9 @@ def test_postprocess_compiles_without_spills(head_dim, capsys):
     assert post.spill_bytes == 0
     assert "ld.global.v4" in post.ptx  # dQ's sums read back as 16-byte vectors, coalesced
     assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
+    # launched dependent on the main kernel: it waits before it reads the dQ sums
+    assert post.ptx.count("griddepcontrol.wait") == 1
+    assert post.ptx.index("griddepcontrol.wait") < post.ptx.index("ld.global")
 
 
 def test_dispatch_serves_hopper_head_dims_and_keeps_sm80_for_the_rest():
