@@ -323,7 +323,8 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         pipeline.pipeline_init_arrive()
         pipeline.pipeline_init_wait()
         # Dependent launch: this grid may start before the preprocess ahead of it in the stream has
-        # flushed LSE·log2(e), D and the zeroed dQ sums. Nothing above touches global memory.
+        # flushed LSE·log2(e), D and the zeroed dQ sums. Nothing above reads what it writes (a packed
+        # batch's ranking reads only cu_seqlens_k).
         cute.arch.griddepcontrol_wait()
 
         s = SimpleNamespace(
