@@ -95,8 +95,12 @@ LONGEST_FIRST_MAX_SEQUENCES = 256
 def key_length_rank(mCuSeqlensK: cute.Tensor, batch, num_batch):
     _, length = sequence_bounds(mCuSeqlensK, batch)
     rank = cutlass.Int32(0)
-    for j in cutlass.range(num_batch, unroll=1):
-        _, other = sequence_bounds(mCuSeqlensK, j)
+    # one load per sequence (its end is the next one's start), four in flight
+    start = mCuSeqlensK[0]
+    for j in cutlass.range(num_batch, unroll=4):
+        end = mCuSeqlensK[j + 1]
+        other = end - start
+        start = end
         if other > length:
             rank += 1
         elif other == length:
