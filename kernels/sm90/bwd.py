@@ -73,7 +73,7 @@ from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
 from .bwd_transfers import (
     DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DS_READY_BARRIER, EPILOGUE_BARRIER, SCORES_FREE_BARRIER, BackwardTransfers,
 )
-from .primitives import gemm
+from .primitives import gemm, opaque_f32
 
 
 
@@ -154,6 +154,10 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
 
 class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
     """Hopper backward for one configuration (config.py: Sm90BwdConfig); see the module docstring."""
+
+    # A/B switch (remove after timing): -D written into dP^T's accumulator before the S GEMM is
+    # issued (True) or after (False, the PTX of 0ca40c8); the compile cache does not key on it.
+    FILL_BEFORE_S = True
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config
@@ -498,16 +502,32 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         cfg = self.cfg
         stage = q_state.index
         c.pipeline_q.consumer_wait(q_state)
-        gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage], zero_init=True)
-        lse_shares = self.stat_shares(c, c.sLSE, stage)
-        c.pipeline_do.consumer_wait(q_state)
         acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
-        if const_expr(cfg.shared_stats):
-            # dP^T - D in one go: the GEMM accumulates onto -D, so no D is held while dS is formed.
+        if const_expr(cfg.shared_stats and self.FILL_BEFORE_S):
+            # -D into dP^T's accumulator before the S GEMM is issued: written while S is in flight,
+            # ptxas waits for S before issuing dP (advisory C7517); the asm moves keep LLVM from
+            # sinking the writes back next to the dP GEMM.
+            c.pipeline_do.consumer_wait(q_state)
             for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
                 minus_dpsum = -c.sdPsum[c.tScS[0, j][1], stage]
                 for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                     acc_dP_mn[r, j] = minus_dpsum
+            for i in cutlass.range_constexpr(cute.size(c.acc_dP)):
+                c.acc_dP[i] = opaque_f32(c.acc_dP[i])
+            gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage],
+                 zero_init=True)
+            lse_shares = self.stat_shares(c, c.sLSE, stage)
+        else:
+            gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage],
+                 zero_init=True)
+            lse_shares = self.stat_shares(c, c.sLSE, stage)
+            c.pipeline_do.consumer_wait(q_state)
+            if const_expr(cfg.shared_stats):
+                # dP^T - D in one go: the GEMM accumulates onto -D, so no D is held while dS is formed.
+                for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                    minus_dpsum = -c.sdPsum[c.tScS[0, j][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                        acc_dP_mn[r, j] = minus_dpsum
         gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage],
              zero_init=not cfg.shared_stats)
 
