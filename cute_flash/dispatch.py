@@ -21,7 +21,7 @@ import cutlass
 import torch
 
 from . import cache
-from .device import kernel_family, sm_count, target_arch_for
+from .device import capability_of, kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError, UnsupportedHeadDimError
 from .validate import MAX_SPLITS, check_kernel_dtype
 from .tensors import (
@@ -338,10 +338,14 @@ class DecodePlan:
     @property
     def ctas_per_sm(self) -> int:
         """Decode CTAs per SM in the wave decode_splits counts in: one deep CTA,
-        DECODE_KEYS_TILE_CTAS_PER_SM of DECODE_KEYS_TILE's, else DECODE_CTAS_PER_SM."""
+        DECODE_KEYS_TILE_CTAS_PER_SM of DECODE_KEYS_TILE's on DECODE_KEYS_TILE_THREE_CAPABILITIES,
+        else DECODE_CTAS_PER_SM."""
         if self.main.config.num_stages == DECODE_DEEP_STAGES:
             return 1
-        return DECODE_KEYS_TILE_CTAS_PER_SM if self.main.config.warps_along_keys else DECODE_CTAS_PER_SM
+        three = capability_of(self.main.arch) in DECODE_KEYS_TILE_THREE_CAPABILITIES
+        if self.main.config.warps_along_keys and three:
+            return DECODE_KEYS_TILE_CTAS_PER_SM
+        return DECODE_CTAS_PER_SM
 
 
 def plan_decode(capability: tuple[int, int], dtype: torch.dtype, head_dim: int, causal: bool,
@@ -404,9 +408,13 @@ many CTAs on every SM. The 32-row narrow tile (72 KB) fits three, but filling th
 more splits measured 1.5–7% slower (H200, 2026-11-29: batch 8 and 1 at 32:8 and 8:1 heads; the
 splits' CTAs get shorter and the merge longer)."""
 
+DECODE_KEYS_TILE_THREE_CAPABILITIES = ((9, 0),)
+"""GPUs whose 228 KB of shared memory per SM hold three DECODE_KEYS_TILE CTAs (an A100's 164 KB
+holds two)."""
+
 DECODE_KEYS_TILE_CTAS_PER_SM = 3
-"""DECODE_KEYS_TILE's CTAs per SM: 69 KB of shared memory and at most 168 registers per thread
-(a compile test holds both), so three are resident. Counting its wave as three per SM splits
+"""DECODE_KEYS_TILE's CTAs per SM on DECODE_KEYS_TILE_THREE_CAPABILITIES: 69 KB of shared memory
+and at most 168 registers per thread (a compile test holds both), so three are resident. Counting its wave as three per SM splits
 batch 64 at 32:8 heads (512 tiles, 1.3 waves) 3 ways instead of none: +2.4%, +5.7%, +8.6% at 4k,
 8k, 32k keys (H200, 2026-11-29; 0.96–0.99x cuDNN from 0.92–0.94x)."""
 
