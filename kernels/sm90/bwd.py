@@ -183,20 +183,23 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
 class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
     """Hopper backward for one configuration (config.py: Sm90BwdConfig); see the module docstring."""
 
-    # A/B switch (remove after timing): -D written into dP^T's accumulator before the S GEMM is
-    # issued, dS^T stored by stmatrix before the dV GEMM (True, ds_by_stmatrix), or -D written
-    # after the S GEMM is issued and dS^T stored by 4-byte stores after the dV GEMM (False, the
-    # PTX of 0ca40c8); the compile cache does not key on it.
+    # A/B switch (remove after timing). True: dS^T stored by stmatrix before the dV GEMM in every
+    # shape without split_head_dim (ds_by_stmatrix), and with 128-row blocks (shared_stats) -D
+    # written into dP^T's accumulator before the S GEMM is issued. False: -D written after the S
+    # GEMM is issued and dS^T stored by 4-byte stores after the dV GEMM (the PTX of 0ca40c8).
+    # The compile cache does not key on it.
     FILL_BEFORE_S = True
 
     @property
     def ds_by_stmatrix(self) -> bool:
-        """dS^T to smem by stmatrix (ds_store_copy, swizzle_free), before the dV GEMM, where -D is
-        filled before the S GEMM: the 4-byte stores after the dV GEMM kept eight base addresses
-        (one per 16-byte chunk of the swizzle) through the loop, and ptxas spilled them there (56
-        bytes per thread, 72 causal). Each change alone still spilled: stmatrix after the dV GEMM
-        96 bytes (and serialized wgmmas, C7512), 4-byte stores before it 96-136."""
-        return self.cfg.shared_stats and self.FILL_BEFORE_S
+        """dS^T to smem by stmatrix (ds_store_copy, swizzle_free), before the dV GEMM as FA3 / FA4
+        order it. Needed where -D is filled before the S GEMM: the 4-byte stores after the dV GEMM
+        kept eight base addresses (one per 16-byte chunk of the swizzle) through the loop, and
+        ptxas spilled them there (56 bytes per thread, 72 causal); each change alone still spilled
+        (stmatrix after the dV GEMM 96 bytes and serialized wgmmas, C7512; 4-byte stores before it
+        96-136). The 64-row shapes (hd 64 with modifications, 96, 128) compile spill-free with it
+        too. The split-head-dim shape stores dS^T through its own path (scores_to_smem)."""
+        return self.FILL_BEFORE_S and not self.cfg.split_head_dim
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config

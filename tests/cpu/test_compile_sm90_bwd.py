@@ -68,8 +68,8 @@ def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, c
     if cfg.split_head_dim:  # the groups split S^T's query columns and dV's / dK's head-dim columns
         assert f".m64n{cfg.m_block_size // 2}k16." in ptx and f".m64n{head_dim // 2}k16." in ptx
     assert cfg.split_head_dim == (head_dim > 128)
-    # dS^T to smem: 8 stmatrix per thread where -D is filled before the S GEMM (128-row blocks).
-    assert ptx.count("stmatrix") == (8 if kernel.ds_by_stmatrix else 0)
+    # dS^T to smem by stmatrix (ds_by_stmatrix): one per 16 query rows of the block per thread.
+    assert ptx.count("stmatrix") == (cfg.m_block_size // 16 if kernel.ds_by_stmatrix else 0)
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
     advisories = re.findall(r"\((C751\d)\)", logs[0])
@@ -79,13 +79,14 @@ def test_main_kernel_compiles_to_wgmma_and_tma_without_spills(dtype, head_dim, c
         assert not advisories, f"ptxas serialized or waited for wgmma instructions: {advisories}"
 
 
-def test_ds_stmatrix_store_writes_each_element_where_the_accumulator_store_does():
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_ds_stmatrix_store_writes_each_element_where_the_accumulator_store_does(head_dim):
     """The stmatrix store of dS^T (ds_store_copy through swizzle_free's layout) against the
     element-wise store of the accumulator (thr_SdP.partition_C of dS^T's swizzled smem), for every
     MMA thread and both stages, traced with compile-time thread indices (no GPU): each source value
     is the accumulator element the copy expects there, and each lane's row address is the swizzled
     address of the elements the copy puts in that row."""
-    cfg = backward_plan(cutlass.BFloat16, 64, False).main.config
+    cfg = backward_plan(cutlass.BFloat16, head_dim, False).main.config
     assert FlashAttnBwdSm90(cfg).ds_by_stmatrix == FlashAttnBwdSm90.FILL_BEFORE_S
     m, n, d, stages, dtype = cfg.m_block_size, cfg.n_block_size, cfg.head_dim, cfg.q_stages, cfg.dtype
     found = {}
