@@ -414,9 +414,9 @@ holds two)."""
 
 DECODE_KEYS_TILE_CTAS_PER_SM = 3
 """DECODE_KEYS_TILE's CTAs per SM on DECODE_KEYS_TILE_THREE_CAPABILITIES: 69 KB of shared memory
-and at most 168 registers per thread (a compile test holds both), so three are resident. Counting its wave as three per SM splits
-batch 64 at 32:8 heads (512 tiles, 1.3 waves) 3 ways instead of none: +2.4%, +5.7%, +8.6% at 4k,
-8k, 32k keys (H200, 2026-11-29; 0.96–0.99x cuDNN from 0.92–0.94x)."""
+and at most 168 registers per thread (a compile test holds both), so three are resident. Counting
+its wave as three per SM splits batch 64 at 32:8 heads (512 tiles, 1.3 waves) 3 ways instead of
+none: +2.4%, +5.7%, +8.6% at 4k, 8k, 32k keys (H200, 2026-11-29; 0.96–0.99x cuDNN from 0.92–0.94x)."""
 
 DECODE_SPLIT_MAX_WAVES = 4
 """A grid of this many waves of CTAs or more is not split: its last, partial wave is a small part
@@ -552,8 +552,8 @@ def decode_splits(batch: int, nheads_kv: int, m_blocks: int, max_keys: int, tile
     block, batch, KV head, split); the call's time is taken as its waves of `ctas_per_sm` CTAs
     per SM (DecodePlan.ctas_per_sm) times one CTA's key blocks (plus DECODE_SPLIT_COST_BLOCKS), and
     the fewest splits with the least time win; a grid of DECODE_SPLIT_MAX_WAVES waves or more takes
-    one: 64 CTAs on 132 SMs split 4 ways fill one wave, where 5 ways (the smallest
-    split count reaching a wave) would run a second wave for 56 CTAs. Splits keep at least
+    one. 64 CTAs on 132 SMs split 4 ways fill one wave, where 5 ways (the smallest split count
+    reaching a wave) would run a second wave for 56 CTAs. Splits keep at least
     DECODE_MIN_SPLIT_BLOCKS key blocks and number at most validate.MAX_SPLITS. `max_keys` is the
     longest sequence the call may see (host-known: the cache's capacity, or the given length)."""
     blocks = -(-max_keys // tile_n)
