@@ -74,7 +74,7 @@ from .config import Sm90BwdConfig, backward_smem_bytes, dq_atom_layout
 from .bwd_transfers import (
     DQ_EMPTY_BARRIER, DQ_FULL_BARRIER, DS_READY_BARRIER, EPILOGUE_BARRIER, SCORES_FREE_BARRIER, BackwardTransfers,
 )
-from .primitives import gemm
+from .primitives import gemm, opaque_f32
 
 
 
@@ -127,6 +127,34 @@ def dq_staging_view(sdQ: cute.Tensor, num_threads: int, thread: Int32) -> cute.T
     return threads[(None, thread), None]
 
 
+def ds_store_copy(tiled_mma_SdP: cute.TiledMma, dtype) -> cute.TiledCopy:
+    """dS^T's 16-bit fragment (in the S^T / dP^T accumulator's register order) into dS's m-major
+    smem by stmatrix: four 8x8 matrices (8 keys by 8 queries) per instruction, 8 instructions per
+    thread instead of 32 4-byte stores. Each instruction's four source registers are one k-block
+    of the dK GEMM's A fragment, so both instructions read the same register quads."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    return cute.make_tiled_copy_C(atom, tiled_mma_SdP)
+
+
+def swizzle_free(sX: cute.Tensor) -> cute.Tensor:
+    """`sX`, whose pointer carries the swizzle, as a plain pointer with the swizzle in its layout
+    (in element units). A thread's partition of it is one address plus offsets that the layout
+    knows: compile-time, or per-thread strides where the XOR takes bits of the thread's own
+    address. Through the swizzled pointer, a thread's addresses are computed before the loop, one
+    register per distinct swizzled offset, and held through it.
+
+    dS's stmatrix store (ds_store_copy): a lane's row address holds its key's low 3 bits, which the
+    128-byte swizzle XORs into the 16-byte chunk index, where the 16- and 32-query steps between
+    instructions land. That leaves one base address (per stage) and two per-thread strides, the
+    64-query step an immediate offset."""
+    swz = sX.iterator.type.swizzle_type
+    width = sX.element_type.width
+    in_bytes = cute.recast_layout(8, width, sX.layout)
+    swizzle = cute.make_swizzle(swz.num_bits, swz.num_base, swz.num_shift)
+    layout = cute.recast_layout(width, 8, cute.make_composed_layout(swizzle, 0, in_bytes))
+    return cute.make_tensor(cute.recast_ptr(sX.iterator, dtype=sX.element_type), layout)
+
+
 def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
     """The kernel's smem: barriers, row statistics, then the tiles (P's only with split_head_dim).
     Fields listed as values: this module's annotations are strings, which cute.struct cannot read
@@ -157,6 +185,24 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
 
 class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
     """Hopper backward for one configuration (config.py: Sm90BwdConfig); see the module docstring."""
+
+    # A/B switch (remove after timing). True: dS^T stored by stmatrix before the dV GEMM in every
+    # shape without split_head_dim (ds_by_stmatrix), and with 128-row blocks (shared_stats) -D
+    # written into dP^T's accumulator before the S GEMM is issued. False: -D written after the S
+    # GEMM is issued and dS^T stored by 4-byte stores after the dV GEMM (the PTX of 0ca40c8).
+    # The compile cache does not key on it.
+    FILL_BEFORE_S = True
+
+    @property
+    def ds_by_stmatrix(self) -> bool:
+        """dS^T to smem by stmatrix (ds_store_copy, swizzle_free), before the dV GEMM as FA3 / FA4
+        order it. Needed where -D is filled before the S GEMM: the 4-byte stores after the dV GEMM
+        kept eight base addresses (one per 16-byte chunk of the swizzle) through the loop, and
+        ptxas spilled them there (56 bytes per thread, 72 causal); each change alone still spilled
+        (stmatrix after the dV GEMM 96 bytes and serialized wgmmas, C7512; 4-byte stores before it
+        96-136). The 64-row shapes (hd 64 with modifications, 96, 128) compile spill-free with it
+        too. The split-head-dim shape stores dS^T through its own path (scores_to_smem)."""
+        return self.FILL_BEFORE_S and not self.cfg.split_head_dim
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config
@@ -442,6 +488,11 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         wg_SdP, thr_SdP = tiled_mma_SdP.get_slice(wg * 128), tiled_mma_SdP.get_slice(tidx)
         wg_dKV, thr_dKV = tiled_mma_dKV.get_slice(wg * 128), tiled_mma_dKV.get_slice(tidx)
         wg_dQ, thr_dQ = tiled_mma_dQ.get_slice(wg * 128), tiled_mma_dQ.get_slice(tidx)
+        ds_copy = thr_ds = tdSsdS = None
+        if const_expr(self.ds_by_stmatrix):
+            ds_copy = ds_store_copy(tiled_mma_SdP, cfg.dtype)
+            thr_ds = ds_copy.get_slice(tidx)
+            tdSsdS = thr_ds.partition_D(swizzle_free(transpose_view(s.sdS)))
         c = SimpleNamespace(
             tiled_mma_SdP=tiled_mma_SdP, tiled_mma_dKV=tiled_mma_dKV, tiled_mma_dQ=tiled_mma_dQ,
             # S^T = K Q^T and dP^T = V dO^T
@@ -455,6 +506,8 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             tScS=reshape_acc_to_mn(thr_SdP.partition_C(cute.make_identity_tensor((n, m)))),
             t0ScS=reshape_acc_to_mn(tiled_mma_SdP.get_slice(0).partition_C(cute.make_identity_tensor((n, m)))),
             thr_SdP=thr_SdP, sdSt=transpose_view(s.sdS),
+            # dS^T's stmatrix store (ds_by_stmatrix): this lane's rows of dS in every stage
+            ds_copy=ds_copy, thr_ds=thr_ds, tdSsdS=tdSsdS,
             sPt=transpose_view(s.sP) if const_expr(cfg.split_head_dim) else None,
             # dV += P^T dO and dK += dS^T Q, A from registers (from smem with split_head_dim)
             tdVrP=tiled_mma_dKV.make_fragment_A(wg_dKV.partition_A(transpose_view(s.sP)))
@@ -532,16 +585,32 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         cfg = self.cfg
         stage = q_state.index
         c.pipeline_q.consumer_wait(q_state)
-        gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage], zero_init=True)
-        lse_shares = self.stat_shares(c, c.sLSE, stage)
-        c.pipeline_do.consumer_wait(q_state)
         acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
-        if const_expr(cfg.shared_stats):
-            # dP^T - D in one go: the GEMM accumulates onto -D, so no D is held while dS is formed.
+        if const_expr(cfg.shared_stats and self.FILL_BEFORE_S):
+            # -D into dP^T's accumulator before the S GEMM is issued: written while S is in flight,
+            # ptxas waits for S before issuing dP (advisory C7517); the asm moves keep LLVM from
+            # sinking the writes back next to the dP GEMM.
+            c.pipeline_do.consumer_wait(q_state)
             for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
                 minus_dpsum = -c.sdPsum[c.tScS[0, j][1], stage]
                 for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
                     acc_dP_mn[r, j] = minus_dpsum
+            for i in cutlass.range_constexpr(cute.size(c.acc_dP)):
+                c.acc_dP[i] = opaque_f32(c.acc_dP[i])
+            gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage],
+                 zero_init=True)
+            lse_shares = self.stat_shares(c, c.sLSE, stage)
+        else:
+            gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage],
+                 zero_init=True)
+            lse_shares = self.stat_shares(c, c.sLSE, stage)
+            c.pipeline_do.consumer_wait(q_state)
+            if const_expr(cfg.shared_stats):
+                # dP^T - D in one go: the GEMM accumulates onto -D, so no D is held while dS is formed.
+                for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
+                    minus_dpsum = -c.sdPsum[c.tScS[0, j][1], stage]
+                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
+                        acc_dP_mn[r, j] = minus_dpsum
         gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage],
              zero_init=not cfg.shared_stats)
 
@@ -599,14 +668,24 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
             self.scores_to_smem(c, stage)
             tdVrP, tdKrdS = c.tdVrP[None, None, None, stage], c.tdKrdS[None, None, None, stage]
         else:
-            # P's 16-bit copy only now: the fp32 P and its copy are never live together.
-            convert_f32_to_16bit(c.acc_S, c.tdVrP)
             tdVrP, tdKrdS = c.tdVrP, c.tdKrdS
-            gemm(c.tiled_mma_dKV, c.acc_dV, tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
-            convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
-            # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.
-            cute.autovec_copy(cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout),
-                              c.thr_SdP.partition_C(c.sdSt[None, None, stage]))
+            if const_expr(self.ds_by_stmatrix):
+                # dS^T to smem before the dV GEMM is issued, as FlashAttention-3/4 do: stored after it
+                # (as below), the stmatrix version spilled 96 bytes and ptxas serialized the wgmmas
+                # (advisory C7512).
+                convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
+                dS = cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout)
+                cute.copy(c.ds_copy, c.thr_ds.retile(dS), c.tdSsdS[None, None, None, stage])
+                convert_f32_to_16bit(c.acc_S, c.tdVrP)
+                gemm(c.tiled_mma_dKV, c.acc_dV, tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
+            else:
+                # P's 16-bit copy only now: the fp32 P and its copy are never live together.
+                convert_f32_to_16bit(c.acc_S, c.tdVrP)
+                gemm(c.tiled_mma_dKV, c.acc_dV, tdVrP, c.tdVrdO[None, None, None, stage], zero_init=False)
+                convert_f32_to_16bit(c.acc_dP, c.tdKrdS)
+                # dS^T in the accumulator's order is dS in smem: the dQ GEMM reads both groups' keys.
+                cute.autovec_copy(cute.make_tensor(c.tdKrdS.iterator, c.acc_dP.layout),
+                                  c.thr_SdP.partition_C(c.sdSt[None, None, stage]))
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=DS_READY_BARRIER, number_of_threads=cfg.num_mma_threads)
         if const_expr(cfg.split_head_dim):

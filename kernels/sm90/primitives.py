@@ -71,6 +71,15 @@ def opaque_i32(value: Int32, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def opaque_f32(value: Float32, *, loc=None, ip=None) -> Float32:
+    """`value`, through an asm move with side effects: LLVM cannot sink it past later asm."""
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(value).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1; // opaque_f32", "=f,f",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
 def f32_after(value: Float32, dependency: Float32, *, loc=None, ip=None) -> Float32:
     """`value` (exactly, for a finite `dependency`), as fma(dependency, 0, value) in asm: code that
     uses the result cannot be scheduled before `dependency` is available, e.g. before the
