@@ -186,23 +186,15 @@ def shared_storage(cfg, sQ_layout, sK_layout, sdS_layout, stat_layout):
 class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
     """Hopper backward for one configuration (config.py: Sm90BwdConfig); see the module docstring."""
 
-    # A/B switch (remove after timing). True: dS^T stored by stmatrix before the dV GEMM in every
-    # shape without split_head_dim (ds_by_stmatrix), and with 128-row blocks (shared_stats) -D
-    # written into dP^T's accumulator before the S GEMM is issued. False: -D written after the S
-    # GEMM is issued and dS^T stored by 4-byte stores after the dV GEMM (the PTX of 0ca40c8).
-    # The compile cache does not key on it.
-    FILL_BEFORE_S = True
-
     @property
     def ds_by_stmatrix(self) -> bool:
-        """dS^T to smem by stmatrix (ds_store_copy, swizzle_free), before the dV GEMM as FA3 / FA4
-        order it. Needed where -D is filled before the S GEMM: the 4-byte stores after the dV GEMM
-        kept eight base addresses (one per 16-byte chunk of the swizzle) through the loop, and
-        ptxas spilled them there (56 bytes per thread, 72 causal); each change alone still spilled
-        (stmatrix after the dV GEMM 96 bytes and serialized wgmmas, C7512; 4-byte stores before it
-        96-136). The 64-row shapes (hd 64 with modifications, 96, 128) compile spill-free with it
-        too. The split-head-dim shape stores dS^T through its own path (scores_to_smem)."""
-        return self.FILL_BEFORE_S and not self.cfg.split_head_dim
+        """dS^T to smem by stmatrix (ds_store_copy, swizzle_free) before the dV GEMM, as FA3 / FA4
+        order it, where -D is filled before the S GEMM (shared_stats): the 4-byte stores after the
+        dV GEMM kept eight base addresses (one per 16-byte chunk of the swizzle) through the loop
+        there, and ptxas spilled them (56 bytes per thread, 72 causal). The 64-row shapes keep the
+        4-byte stores after the dV GEMM: stmatrix before it measured 0-4% slower at hd 128
+        (2026-11-29, H200; perf/results/h200-20261129-backward.md)."""
+        return self.cfg.shared_stats
 
     def __init__(self, config: Sm90BwdConfig):
         self.cfg = config
@@ -586,8 +578,9 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         stage = q_state.index
         c.pipeline_q.consumer_wait(q_state)
         acc_dP_mn = reshape_acc_to_mn(c.acc_dP)
-        if const_expr(cfg.shared_stats and self.FILL_BEFORE_S):
-            # -D into dP^T's accumulator before the S GEMM is issued: written while S is in flight,
+        if const_expr(cfg.shared_stats):
+            # dP^T - D in one go: the dP GEMM accumulates onto -D, so no D is held while dS is
+            # formed. -D is written before the S GEMM is issued: written while S is in flight,
             # ptxas waits for S before issuing dP (advisory C7517); the asm moves keep LLVM from
             # sinking the writes back next to the dP GEMM.
             c.pipeline_do.consumer_wait(q_state)
@@ -605,12 +598,6 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
                  zero_init=True)
             lse_shares = self.stat_shares(c, c.sLSE, stage)
             c.pipeline_do.consumer_wait(q_state)
-            if const_expr(cfg.shared_stats):
-                # dP^T - D in one go: the GEMM accumulates onto -D, so no D is held while dS is formed.
-                for j in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[1])):
-                    minus_dpsum = -c.sdPsum[c.tScS[0, j][1], stage]
-                    for r in cutlass.range_constexpr(cute.size(acc_dP_mn, mode=[0])):
-                        acc_dP_mn[r, j] = minus_dpsum
         gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage],
              zero_init=not cfg.shared_stats)
 
