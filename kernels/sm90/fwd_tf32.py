@@ -48,7 +48,7 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90Tf32FwdConfig, tf32_smem_bytes
 from .epilogue import Epilogue
 from .fwd_tf32_prep import Tf32Prepass
-from .primitives import acquire_empty, wait_full
+from .primitives import acquire_empty, opaque_i32, wait_full
 from .warpgroup_tf32 import tf32_lo, tiled_mma_tf32
 
 
@@ -56,6 +56,17 @@ def as_tf32(sX: cute.Tensor, layout: cute.ComposedLayout) -> cute.Tensor:
     """An fp32 smem tile (what TMA wrote) as the TFloat32 tensor the MMA reads; the swizzle is
     named again (cute.recast_tensor would drop it from the pointer, and the descriptor with it)."""
     return cute.make_tensor(cute.recast_ptr(sX.iterator, layout.inner, dtype=TFloat32), layout.outer)
+
+
+def opaque_tile(sX: cute.Tensor, layout: cute.ComposedLayout) -> cute.Tensor:
+    """sX (a TFloat32 smem tile of `layout`) from a base address the compiler cannot see through.
+    The wgmma descriptors of a tile's k steps are its base plus constants; from a plain base, LLVM
+    hoists all of them out of the key-block loop and keeps them live there, two registers each
+    (over 100 registers at d128, with 16 k steps of K, K_lo and Q_hi), and ptxas serializes the
+    wgmmas (C7511). From an opaque base, each is one add where it is used."""
+    address = opaque_i32(sX.iterator.toint())
+    ptr = cute.make_ptr(TFloat32, address, cute.AddressSpace.smem, assumed_align=1024, swizzle_=layout.inner)
+    return cute.make_tensor(ptr, layout.outer)
 
 
 def acc_as_frgA(acc: cute.Tensor) -> cute.Tensor:
@@ -307,12 +318,6 @@ class FlashAttnFwdSm90Tf32:
         sQ_tf32 = as_tf32(sQ, sQ_layout)
         sK_tf32, sKlo_tf32 = as_tf32(sK, sK_layout), as_tf32(sKlo, sK_layout)
         sVt_tf32, sVtlo_tf32 = as_tf32(sVt, sVt_layout), as_tf32(sVtlo, sVt_layout)
-        # B fragments (smem descriptors), by stage.
-        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK_tf32))
-        tSrK_hi = tiled_mma_qk_hi.make_fragment_B(wg_qk_hi.partition_B(sK_tf32))
-        tSrKlo_hi = tiled_mma_qk_hi.make_fragment_B(wg_qk_hi.partition_B(sKlo_tf32))
-        tOrVt = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt_tf32))
-        tOrVtlo = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVtlo_tf32))
 
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
@@ -334,9 +339,10 @@ class FlashAttnFwdSm90Tf32:
             if const_expr(cfg.q_in_registers):
                 tSrQ_hi = cute.make_tensor(cute.recast_ptr(tSrQ.iterator, dtype=TFloat32), tSrQ_lo.layout)
             else:
-                tSrQ_hi = tiled_mma_qk_hi.make_fragment_A(wg_qk_hi.partition_A(sQ_tf32))
-            c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, tSrK=tSrK, tSrK_hi=tSrK_hi, tSrKlo_hi=tSrKlo_hi,
-                     tOrVt=tOrVt, tOrVtlo=tOrVtlo, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, tOrP_lo=tOrP_lo,
+                tSrQ_hi = None  # its smem descriptors are made per block (opaque_tile)
+            c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, sQ=sQ_tf32, sK=sK_tf32, sKlo=sKlo_tf32, sVt=sVt_tf32,
+                     sVtlo=sVtlo_tf32, layouts=(sQ_layout, sK_layout, sVt_layout), wg_qk=wg_qk, wg_qk_hi=wg_qk_hi,
+                     wg_pv=wg_pv, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, tOrP_lo=tOrP_lo,
                      thr_qk=thr_qk, softmax=softmax, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      tiled_mma_qk=tiled_mma_qk, tiled_mma_qk_hi=tiled_mma_qk_hi, tiled_mma_pv=tiled_mma_pv,
                      pipeline_k=pipeline_k, pipeline_v=pipeline_v)
@@ -376,13 +382,21 @@ class FlashAttnFwdSm90Tf32:
         cfg = self.cfg
         acc_S, acc_O = c["acc_S"], c["acc_O"]
         stage = kv_state.index
+        sQ_layout, sK_layout, sVt_layout = c["layouts"]
+        mma_qk, mma_qk_hi, mma_pv = c["tiled_mma_qk"], c["tiled_mma_qk_hi"], c["tiled_mma_pv"]
+        # This block's smem descriptors (opaque_tile says why not hoisted).
+        sK = opaque_tile(c["sK"], sK_layout)[None, None, stage]
+        sKlo = opaque_tile(c["sKlo"], sK_layout)[None, None, stage]
+        tSrK = mma_qk.make_fragment_B(c["wg_qk"].partition_B(sK))
+        tSrK_hi = mma_qk_hi.make_fragment_B(c["wg_qk_hi"].partition_B(sK))
+        tSrKlo_hi = mma_qk_hi.make_fragment_B(c["wg_qk_hi"].partition_B(sKlo))
+        tSrQ_hi = c["tSrQ_hi"]
+        if const_expr(not cfg.q_in_registers):
+            tSrQ_hi = mma_qk_hi.make_fragment_A(c["wg_qk_hi"].partition_A(opaque_tile(c["sQ"], sQ_layout)))
         # S = Q_lo K + Q_hi K_lo + Q_hi K
         wait_full(c["pipeline_k"], kv_state, True)
-        gemm_chains([
-            (c["tiled_mma_qk"], c["tSrQ_lo"], c["tSrK"][None, None, None, stage]),
-            (c["tiled_mma_qk_hi"], c["tSrQ_hi"], c["tSrKlo_hi"][None, None, None, stage]),
-            (c["tiled_mma_qk_hi"], c["tSrQ_hi"], c["tSrK_hi"][None, None, None, stage]),
-        ], acc_S, zero_init=True)
+        gemm_chains([(mma_qk, c["tSrQ_lo"], tSrK), (mma_qk_hi, tSrQ_hi, tSrKlo_hi), (mma_qk_hi, tSrQ_hi, tSrK_hi)],
+                    acc_S, zero_init=True)
         warpgroup.wait_group(0)
         c["pipeline_k"].consumer_release(kv_state)
         if const_expr(masked):
@@ -394,12 +408,11 @@ class FlashAttnFwdSm90Tf32:
         # P's registers are its hi part; P_lo beside them.
         split_fragment(c["tOrP"], c["tOrP_lo"])
         # O += P_lo V + P V_lo + P V
+        tOrVt = mma_pv.make_fragment_B(c["wg_pv"].partition_B(opaque_tile(c["sVt"], sVt_layout)[None, None, stage]))
+        tOrVtlo = mma_pv.make_fragment_B(c["wg_pv"].partition_B(opaque_tile(c["sVtlo"], sVt_layout)[None, None, stage]))
         wait_full(c["pipeline_v"], kv_state, True)
-        gemm_chains([
-            (c["tiled_mma_pv"], c["tOrP_lo"], c["tOrVt"][None, None, None, stage]),
-            (c["tiled_mma_pv"], c["tOrP"], c["tOrVtlo"][None, None, None, stage]),
-            (c["tiled_mma_pv"], c["tOrP"], c["tOrVt"][None, None, None, stage]),
-        ], acc_O, zero_init=False)
+        gemm_chains([(mma_pv, c["tOrP_lo"], tOrVt), (mma_pv, c["tOrP"], tOrVtlo), (mma_pv, c["tOrP"], tOrVt)],
+                    acc_O, zero_init=False)
         warpgroup.wait_group(0)
         c["pipeline_v"].consumer_release(kv_state)
 
