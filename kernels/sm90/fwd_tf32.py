@@ -49,7 +49,7 @@ from .config import Sm90Tf32FwdConfig, tf32_smem_bytes
 from .epilogue import Epilogue
 from .fwd_tf32_prep import Tf32Prepass
 from .primitives import acquire_empty, opaque_i32, wait_full
-from .warpgroup_tf32 import tf32_lo, tiled_mma_tf32
+from .warpgroup_tf32 import tf32_hi, tf32_lo, tiled_mma_tf32
 
 
 def as_tf32(sX: cute.Tensor, layout: cute.ComposedLayout) -> cute.Tensor:
@@ -96,10 +96,17 @@ def gemm_chains(chains, acc: cute.Tensor, zero_init: cutlass.Constexpr):
 
 
 @cute.jit
-def split_fragment(src: cute.Tensor, lo: cute.Tensor):
-    """lo <- src - trunc13(src), elementwise (src fp32 or TFloat32 registers, lo TFloat32)."""
+def split_fragment(src: cute.Tensor, lo: cute.Tensor, hi: cute.Tensor | None = None):
+    """lo <- src - trunc13(src) and (if given) hi <- trunc13(src), elementwise: src fp32 or
+    TFloat32 registers, hi and lo TFloat32."""
     for i in cutlass.range_constexpr(cute.size(src)):
-        lo[i] = TFloat32(tf32_lo(Float32(src[i])))
+        x = Float32(src[i])
+        if const_expr(hi is None):
+            lo[i] = TFloat32(tf32_lo(x))
+        else:
+            x_hi = tf32_hi(x)
+            hi[i] = TFloat32(x_hi)
+            lo[i] = TFloat32(x - x_hi)
 
 
 class FlashAttnFwdSm90Tf32:
@@ -322,7 +329,8 @@ class FlashAttnFwdSm90Tf32:
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
         acc_O.fill(0.0)
-        tOrP = acc_as_frgA(acc_S)  # P (its hi part) in place
+        # P as the PV GEMM's A operand: its hi part (raw) and lo part, each in registers of its own.
+        tOrP_hi = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tOrP_lo = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tSrQ_lo = tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((cfg.tile_m, cfg.head_dim)))
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0]))
@@ -342,7 +350,7 @@ class FlashAttnFwdSm90Tf32:
                 tSrQ_hi = None  # its smem descriptors are made per block (opaque_tile)
             c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, sQ=sQ_tf32, sK=sK_tf32, sKlo=sKlo_tf32, sVt=sVt_tf32,
                      sVtlo=sVtlo_tf32, layouts=(sQ_layout, sK_layout, sVt_layout), wg_qk=wg_qk, wg_qk_hi=wg_qk_hi,
-                     wg_pv=wg_pv, acc_S=acc_S, acc_O=acc_O, tOrP=tOrP, tOrP_lo=tOrP_lo,
+                     wg_pv=wg_pv, acc_S=acc_S, acc_O=acc_O, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
                      thr_qk=thr_qk, softmax=softmax, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      tiled_mma_qk=tiled_mma_qk, tiled_mma_qk_hi=tiled_mma_qk_hi, tiled_mma_pv=tiled_mma_pv,
                      pipeline_k=pipeline_k, pipeline_v=pipeline_v)
@@ -405,13 +413,13 @@ class FlashAttnFwdSm90Tf32:
         row_scale = c["softmax"].online_softmax(acc_S, is_first=is_first)
         if const_expr(not is_first):
             c["softmax"].rescale_O(acc_O, row_scale)
-        # P's registers are its hi part; P_lo beside them.
-        split_fragment(c["tOrP"], c["tOrP_lo"])
+        # P's hi and lo parts in A operand order, out of the accumulator's registers (tf32_hi says why).
+        split_fragment(acc_as_frgA(acc_S), c["tOrP_lo"], c["tOrP_hi"])
         # O += P_lo V + P V_lo + P V
         tOrVt = mma_pv.make_fragment_B(c["wg_pv"].partition_B(opaque_tile(c["sVt"], sVt_layout)[None, None, stage]))
         tOrVtlo = mma_pv.make_fragment_B(c["wg_pv"].partition_B(opaque_tile(c["sVtlo"], sVt_layout)[None, None, stage]))
         wait_full(c["pipeline_v"], kv_state, True)
-        gemm_chains([(mma_pv, c["tOrP_lo"], tOrVt), (mma_pv, c["tOrP"], tOrVtlo), (mma_pv, c["tOrP"], tOrVt)],
+        gemm_chains([(mma_pv, c["tOrP_lo"], tOrVt), (mma_pv, c["tOrP_hi"], tOrVtlo), (mma_pv, c["tOrP_hi"], tOrVt)],
                     acc_O, zero_init=False)
         warpgroup.wait_group(0)
         c["pipeline_v"].consumer_release(kv_state)

@@ -16,6 +16,8 @@ and lo = x - trunc13(x) is exact in fp32 (`tf32_lo`).
         num_wg warp groups stacked along M (64 rows each), N = n, K steps of 8.
     tf32_lo(x) -> Float32
         x minus x with its low 13 mantissa bits cleared: what truncating TF32 leaves out.
+    tf32_hi(x) -> Float32
+        x with its low 13 mantissa bits cleared (tf32_lo(x) == x - tf32_hi(x), exactly).
 
 This leans on two DSL internals (`MmaAtomSM90Type.get` and subclassing `warpgroup.mma.MmaOp`),
 which a DSL release may change: tests/cpu/test_compile_sm90_fwd_tf32.py compiles it.
@@ -74,5 +76,18 @@ def tf32_lo(x: Float32, *, loc=None, ip=None) -> Float32:
         Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
         "{\n.reg .b32 bits;\n.reg .f32 hi;\nmov.b32 bits, $1;\nand.b32 bits, bits, 0xFFFFE000;\n"
         "mov.b32 hi, bits;\nsub.f32 $0, $1, hi;\n}",
+        "=f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+    ))
+
+
+@dsl_user_op
+def tf32_hi(x: Float32, *, loc=None, ip=None) -> Float32:
+    # x with its low 13 mantissa bits cleared: the TF32 value the tensor cores read from x. Used
+    # where the hi part must live in registers of its own: a wgmma's register A operand must not
+    # share registers with another wgmma's accumulator (P read in place from the S accumulator),
+    # or ptxas serializes every wgmma of the kernel (C7511); a plain copy would be coalesced away.
+    return Float32(llvm.inline_asm(
+        Float32.mlir_type, [Float32(x).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .b32 bits;\nmov.b32 bits, $1;\nand.b32 bits, bits, 0xFFFFE000;\nmov.b32 $0, bits;\n}",
         "=f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
     ))
