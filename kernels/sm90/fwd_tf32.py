@@ -48,7 +48,7 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90Tf32FwdConfig, tf32_smem_bytes
 from .epilogue import Epilogue
 from .fwd_tf32_prep import Tf32Prepass
-from .primitives import acquire_empty, opaque_i32, wait_full
+from .primitives import acquire_empty, wait_full
 from .warpgroup_tf32 import tf32_hi, tf32_lo, tiled_mma_tf32
 
 
@@ -56,17 +56,6 @@ def as_tf32(sX: cute.Tensor, layout: cute.ComposedLayout) -> cute.Tensor:
     """An fp32 smem tile (what TMA wrote) as the TFloat32 tensor the MMA reads; the swizzle is
     named again (cute.recast_tensor would drop it from the pointer, and the descriptor with it)."""
     return cute.make_tensor(cute.recast_ptr(sX.iterator, layout.inner, dtype=TFloat32), layout.outer)
-
-
-def opaque_tile(sX: cute.Tensor, layout: cute.ComposedLayout) -> cute.Tensor:
-    """sX (a TFloat32 smem tile of `layout`) from a base address the compiler cannot see through.
-    The wgmma descriptors of a tile's k steps are its base plus constants; from a plain base, LLVM
-    hoists all of them out of the key-block loop and keeps them live there, two registers each
-    (over 100 registers at d128, with 16 k steps of K, K_lo and Q_hi), and ptxas serializes the
-    wgmmas (C7511). From an opaque base, each is one add where it is used."""
-    address = opaque_i32(sX.iterator.toint())
-    ptr = cute.make_ptr(TFloat32, address, cute.AddressSpace.smem, assumed_align=1024, swizzle_=layout.inner)
-    return cute.make_tensor(ptr, layout.outer)
 
 
 def acc_as_frgA(acc: cute.Tensor) -> cute.Tensor:
@@ -333,6 +322,12 @@ class FlashAttnFwdSm90Tf32:
         tOrP_hi = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tOrP_lo = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tSrQ_lo = tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((cfg.tile_m, cfg.head_dim)))
+        # B fragments (smem descriptors) by stage; Q_hi's A fragment when it is read from smem.
+        tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK_tf32))
+        tSrK_hi = tiled_mma_qk_hi.make_fragment_B(wg_qk_hi.partition_B(sK_tf32))
+        tSrKlo_hi = tiled_mma_qk_hi.make_fragment_B(wg_qk_hi.partition_B(sKlo_tf32))
+        tOrVt = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVt_tf32))
+        tOrVtlo = tiled_mma_pv.make_fragment_B(wg_pv.partition_B(sVtlo_tf32))
         softmax = OnlineSoftmax.create(softmax_scale_log2, cute.size(reshape_acc_to_mn(acc_O), mode=[0]))
         softmax.reset()
 
@@ -347,10 +342,9 @@ class FlashAttnFwdSm90Tf32:
             if const_expr(cfg.q_in_registers):
                 tSrQ_hi = cute.make_tensor(cute.recast_ptr(tSrQ.iterator, dtype=TFloat32), tSrQ_lo.layout)
             else:
-                tSrQ_hi = None  # its smem descriptors are made per block (opaque_tile)
-            c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, sQ=sQ_tf32, sK=sK_tf32, sKlo=sKlo_tf32, sVt=sVt_tf32,
-                     sVtlo=sVtlo_tf32, layouts=(sQ_layout, sK_layout, sVt_layout), wg_qk=wg_qk, wg_qk_hi=wg_qk_hi,
-                     wg_pv=wg_pv, acc_S=acc_S, acc_O=acc_O, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
+                tSrQ_hi = tiled_mma_qk_hi.make_fragment_A(wg_qk_hi.partition_A(sQ_tf32))
+            c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, tSrK=tSrK, tSrK_hi=tSrK_hi, tSrKlo_hi=tSrKlo_hi,
+                     tOrVt=tOrVt, tOrVtlo=tOrVtlo, acc_S=acc_S, acc_O=acc_O, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
                      thr_qk=thr_qk, softmax=softmax, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      tiled_mma_qk=tiled_mma_qk, tiled_mma_qk_hi=tiled_mma_qk_hi, tiled_mma_pv=tiled_mma_pv,
                      pipeline_k=pipeline_k, pipeline_v=pipeline_v)
@@ -390,17 +384,10 @@ class FlashAttnFwdSm90Tf32:
         cfg = self.cfg
         acc_S, acc_O = c["acc_S"], c["acc_O"]
         stage = kv_state.index
-        sQ_layout, sK_layout, sVt_layout = c["layouts"]
         mma_qk, mma_qk_hi, mma_pv = c["tiled_mma_qk"], c["tiled_mma_qk_hi"], c["tiled_mma_pv"]
-        # This block's smem descriptors (opaque_tile says why not hoisted).
-        sK = opaque_tile(c["sK"], sK_layout)[None, None, stage]
-        sKlo = opaque_tile(c["sKlo"], sK_layout)[None, None, stage]
-        tSrK = mma_qk.make_fragment_B(c["wg_qk"].partition_B(sK))
-        tSrK_hi = mma_qk_hi.make_fragment_B(c["wg_qk_hi"].partition_B(sK))
-        tSrKlo_hi = mma_qk_hi.make_fragment_B(c["wg_qk_hi"].partition_B(sKlo))
+        tSrK, tSrK_hi, tSrKlo_hi = (c[name][None, None, None, stage] for name in ("tSrK", "tSrK_hi", "tSrKlo_hi"))
+        tOrVt, tOrVtlo = c["tOrVt"][None, None, None, stage], c["tOrVtlo"][None, None, None, stage]
         tSrQ_hi = c["tSrQ_hi"]
-        if const_expr(not cfg.q_in_registers):
-            tSrQ_hi = mma_qk_hi.make_fragment_A(c["wg_qk_hi"].partition_A(opaque_tile(c["sQ"], sQ_layout)))
         # S = Q_lo K + Q_hi K_lo + Q_hi K
         wait_full(c["pipeline_k"], kv_state, True)
         gemm_chains([(mma_qk, c["tSrQ_lo"], tSrK), (mma_qk_hi, tSrQ_hi, tSrKlo_hi), (mma_qk_hi, tSrQ_hi, tSrK_hi)],
@@ -416,8 +403,6 @@ class FlashAttnFwdSm90Tf32:
         # P's hi and lo parts in A operand order, out of the accumulator's registers (tf32_hi says why).
         split_fragment(acc_as_frgA(acc_S), c["tOrP_lo"], c["tOrP_hi"])
         # O += P_lo V + P V_lo + P V
-        tOrVt = mma_pv.make_fragment_B(c["wg_pv"].partition_B(opaque_tile(c["sVt"], sVt_layout)[None, None, stage]))
-        tOrVtlo = mma_pv.make_fragment_B(c["wg_pv"].partition_B(opaque_tile(c["sVtlo"], sVt_layout)[None, None, stage]))
         wait_full(c["pipeline_v"], kv_state, True)
         gemm_chains([(mma_pv, c["tOrP_lo"], tOrVt), (mma_pv, c["tOrP_hi"], tOrVtlo), (mma_pv, c["tOrP_hi"], tOrVt)],
                     acc_O, zero_init=False)
