@@ -126,7 +126,7 @@ class FlashAttnFwdSm90Tf32:
         """q, k, v, out (batch, seqlen, heads, head_dim) fp32, lse (batch, heads, seqlen_q); the
         workspace the prepass fills: K_lo like k, V^T and V^T_lo (batch, heads_kv, head_dim,
         seqlen_k rounded up to 8: fwd_tf32_prep.padded_seqlen_k)."""
-        self.prepass.launch(mK, mV, mKlo, mVt, mVtlo, stream)
+        self.prepass(mK, mV, mKlo, mVt, mVtlo, stream)
         cfg = self.cfg
         # (batch, seqlen, heads, d) -> (seqlen, d, heads, batch); V^T (batch, heads, d, keys) ->
         # (d, keys, heads, batch): the first two modes are what a tile covers.

@@ -48,7 +48,7 @@ class Tf32Prepass:
         self.head_dim = head_dim
 
     @cute.jit
-    def launch(self, mK: cute.Tensor, mV: cute.Tensor, mKlo: cute.Tensor, mVt: cute.Tensor, mVtlo: cute.Tensor,
+    def __call__(self, mK: cute.Tensor, mV: cute.Tensor, mKlo: cute.Tensor, mVt: cute.Tensor, mVtlo: cute.Tensor,
                stream: cuda.CUstream):
         num_key_blocks = cute.ceil_div(mVt.shape[3], PREP_KEYS)
         self.kernel(mK, mV, mKlo, mVt, mVtlo).launch(
