@@ -340,7 +340,7 @@ class FlashAttnFwdSm90Tf32:
             cute.autovec_copy(tSsQ, tSrQ)
             split_fragment(tSrQ, tSrQ_lo)
             if const_expr(cfg.q_in_registers):
-                tSrQ_hi = cute.make_tensor(cute.recast_ptr(tSrQ.iterator, dtype=TFloat32), tSrQ_lo.layout)
+                tSrQ_hi = cute.make_tensor(cute.recast_ptr(tSrQ.iterator, dtype=TFloat32), tSrQ.layout)
             else:
                 tSrQ_hi = tiled_mma_qk_hi.make_fragment_A(wg_qk_hi.partition_A(sQ_tf32))
             c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, tSrK=tSrK, tSrK_hi=tSrK_hi, tSrKlo_hi=tSrKlo_hi,

@@ -20,6 +20,8 @@ from cute_flash.kernels.sm90.config import (
 from cute_flash.kernels.sm90.fwd_tf32 import FlashAttnFwdSm90Tf32
 from cute_flash.kernels.sm90.fwd_tf32_prep import key_of_column, padded_seqlen_k
 
+from .test_compile_sm90_fwd import expect_tx_bytes
+
 VARIANTS = [(64, False), (64, True), (128, False), (128, True)]
 
 
@@ -55,6 +57,9 @@ def test_sm90_tf32_fwd_compiles_to_tma_wgmma_without_spills(head_dim, causal, mo
     assert "cp.async.bulk.tensor" in report.ptx
     assert "setmaxnreg" in report.ptx
     assert "griddepcontrol.wait" in report.ptx
+    # Q's TMA announces the whole fp32 tile, a K or V stage its two tiles (hi and lo).
+    tile_bytes = 4 * config.tile_n * head_dim
+    assert expect_tx_bytes(report.ptx) == {4 * config.tile_m * head_dim, 2 * tile_bytes}
     # O leaves from registers in 8-byte stores.
     assert "st.global.v2.b32" in report.ptx
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
