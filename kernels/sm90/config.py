@@ -447,6 +447,8 @@ class Sm90Tf32FwdConfig:
     # Q's hi part as a register A operand as well as its lo part (else read from smem by each S GEMM):
     # at d64 both halves take 64 registers; at d128 they would take 128.
     q_in_registers: bool = False
+    # Each block's S GEMM issued with the previous block's PV GEMM (fwd.py's intra-warp-group overlap).
+    overlap: bool = False
 
     dtype = cutlass.Float32
 
@@ -477,7 +479,8 @@ def tf32_smem_bytes(config: Sm90Tf32FwdConfig) -> int:
 def tf32_can_implement(config: Sm90Tf32FwdConfig) -> bool:
     if config.head_dim not in TF32_HEAD_DIMS or config.tile_m != 128:
         return False
-    if config.tile_n % 8 != 0 or not 8 <= config.tile_n <= 256 or config.num_stages < 1:
+    # V^T's smem rows are tile_n keys, K-major in 128-byte (32-word) swizzle atoms.
+    if config.tile_n % 32 != 0 or not 32 <= config.tile_n <= 256 or config.num_stages < 1:
         return False
     return tf32_smem_bytes(config) <= SMEM_BYTES
 

@@ -48,7 +48,7 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90Tf32FwdConfig, tf32_smem_bytes
 from .epilogue import Epilogue
 from .fwd_tf32_prep import Tf32Prepass
-from .primitives import acquire_empty, wait_full
+from .primitives import acquire_empty, f32_after, wait_full
 from .warpgroup_tf32 import tf32_hi, tf32_lo, tiled_mma_tf32
 
 
@@ -361,53 +361,109 @@ class FlashAttnFwdSm90Tf32:
     @cute.jit
     def mainloop(self, c: dict, block_ranges: BlockRanges, n_block_min: Int32, n_block_max: Int32):
         """Algorithm 1's inner loop over the key blocks [n_block_min, n_block_max), last first:
-        the blocks crossing seqlen_k or the causal diagonal are masked, the rest not."""
+        the blocks crossing seqlen_k or the causal diagonal are masked, the rest not. With
+        config.overlap, each block's S GEMM is issued together with the previous block's PV GEMM
+        (as in fwd.py), else every block runs S, softmax, PV one after the other."""
         cfg = self.cfg
         n_block_right_mask = n_block_max
         if const_expr(cfg.causal):
             n_block_right_mask = block_ranges.n_block_min_causal_mask(c["m_block"], c["seqlen_q"], c["seqlen_k"], 0)
         n_block_unmasked = cutlass.min(n_block_right_mask, n_block_max - 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.num_stages)
-        self.one_block(c, kv_state, n_block_max - 1, masked=True, mask_seqlen=True, is_first=True)
-        kv_state.advance()
+        block = self.one_block_overlapped if const_expr(cfg.overlap) else self.one_block
+        # The first block: S and its softmax; without overlap its PV GEMM too.
+        self.scores(c, kv_state, n_block_max - 1, masked=True, mask_seqlen=True, is_first=True)
+        if const_expr(not cfg.overlap):
+            self.gemm_pv(c, kv_state)
+            kv_state.advance()
         if const_expr(cfg.causal):
             for i in cutlass.range(n_block_max - 1 - n_block_unmasked, unroll=1):
-                self.one_block(c, kv_state, n_block_max - 2 - i, masked=True, mask_seqlen=False, is_first=False)
-                kv_state.advance()
+                kv_state = block(c, kv_state, n_block_max - 2 - i, masked=True)
         for i in cutlass.range(n_block_unmasked - n_block_min, unroll=1):
-            self.one_block(c, kv_state, n_block_unmasked - 1 - i, masked=False, mask_seqlen=False, is_first=False)
-            kv_state.advance()
+            kv_state = block(c, kv_state, n_block_unmasked - 1 - i, masked=False)
+        if const_expr(cfg.overlap):
+            self.gemm_pv(c, kv_state)  # the last block's
 
     @cute.jit
-    def one_block(self, c: dict, kv_state, n_block: Int32, masked: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
-                  is_first: cutlass.Constexpr):
+    def scores(self, c: dict, kv_state, n_block: Int32, masked: cutlass.Constexpr, mask_seqlen: cutlass.Constexpr,
+               is_first: cutlass.Constexpr):
+        """S of n_block, its mask and online softmax, O rescaled, P split into hi and lo."""
         cfg = self.cfg
-        acc_S, acc_O = c["acc_S"], c["acc_O"]
-        stage = kv_state.index
-        mma_qk, mma_qk_hi, mma_pv = c["tiled_mma_qk"], c["tiled_mma_qk_hi"], c["tiled_mma_pv"]
-        tSrK, tSrK_hi, tSrKlo_hi = (c[name][None, None, None, stage] for name in ("tSrK", "tSrK_hi", "tSrKlo_hi"))
-        tOrVt, tOrVtlo = c["tOrVt"][None, None, None, stage], c["tOrVtlo"][None, None, None, stage]
-        tSrQ_hi = c["tSrQ_hi"]
-        # S = Q_lo K + Q_hi K_lo + Q_hi K
+        acc_S = c["acc_S"]
         wait_full(c["pipeline_k"], kv_state, True)
-        gemm_chains([(mma_qk, c["tSrQ_lo"], tSrK), (mma_qk_hi, tSrQ_hi, tSrKlo_hi), (mma_qk_hi, tSrQ_hi, tSrK_hi)],
-                    acc_S, zero_init=True)
+        self.gemm_s(c, kv_state.index)
         warpgroup.wait_group(0)
         c["pipeline_k"].consumer_release(kv_state)
         if const_expr(masked):
-            apply_mask(acc_S, c["thr_qk"], cfg.tile_m, cfg.tile_n, c["m_block"], n_block, c["seqlen_q"], c["seqlen_k"],
-                       mask_seqlen, cfg.causal)
+            self.mask(c, n_block, mask_seqlen)
         row_scale = c["softmax"].online_softmax(acc_S, is_first=is_first)
         if const_expr(not is_first):
-            c["softmax"].rescale_O(acc_O, row_scale)
-        # P's hi and lo parts in A operand order, out of the accumulator's registers (tf32_hi says why).
-        split_fragment(acc_as_frgA(acc_S), c["tOrP_lo"], c["tOrP_hi"])
-        # O += P_lo V + P V_lo + P V
-        wait_full(c["pipeline_v"], kv_state, True)
+            c["softmax"].rescale_O(c["acc_O"], row_scale)
+        self.split_P(c)
+
+    @cute.jit
+    def one_block(self, c: dict, kv_state, n_block: Int32, masked: cutlass.Constexpr):
+        """One block, in order: S, softmax, O += P V."""
+        self.scores(c, kv_state, n_block, masked=masked, mask_seqlen=False, is_first=False)
+        self.gemm_pv(c, kv_state)
+        kv_state.advance()
+        return kv_state
+
+    @cute.jit
+    def one_block_overlapped(self, c: dict, kv_state, n_block: Int32, masked: cutlass.Constexpr):
+        """S GEMM of n_block issued with the PV GEMM of the block before it (kv_state's); the row
+        maxima while the PV GEMM runs, the exponentials and P's split after it (P's registers are
+        its A operand), O rescaled last."""
+        acc_S, acc_O, softmax = c["acc_S"], c["acc_O"], c["softmax"]
+        kv_state_v = kv_state.clone()
+        kv_state.advance()
+        wait_full(c["pipeline_k"], kv_state, True)
+        self.gemm_s(c, kv_state.index)
+        wait_full(c["pipeline_v"], kv_state_v, True)
+        self.issue_pv(c, kv_state_v.index)
+        warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
+        c["pipeline_k"].consumer_release(kv_state)
+        if const_expr(masked):
+            self.mask(c, n_block, False)
+        max_scaled, row_scale = softmax.update_row_max(acc_S)
+        warpgroup.wait_group(0)
+        # The exponentials made to wait for O (fwd.py: one_block says why).
+        for r in cutlass.range_constexpr(cute.size(max_scaled)):
+            max_scaled[r] = f32_after(max_scaled[r], acc_O[0])
+        softmax.exponentiate(acc_S, max_scaled, row_scale)
+        c["pipeline_v"].consumer_release(kv_state_v)
+        self.split_P(c)
+        softmax.rescale_O(acc_O, row_scale)
+        return kv_state
+
+    def gemm_s(self, c: dict, stage):
+        """S = Q_lo K + Q_hi K_lo + Q_hi K (issued, not waited for)."""
+        tSrK, tSrK_hi, tSrKlo_hi = (c[name][None, None, None, stage] for name in ("tSrK", "tSrK_hi", "tSrKlo_hi"))
+        gemm_chains([(c["tiled_mma_qk"], c["tSrQ_lo"], tSrK), (c["tiled_mma_qk_hi"], c["tSrQ_hi"], tSrKlo_hi),
+                     (c["tiled_mma_qk_hi"], c["tSrQ_hi"], tSrK_hi)], c["acc_S"], zero_init=True)
+
+    def issue_pv(self, c: dict, stage):
+        """O += P_lo V + P V_lo + P V (issued, not waited for)."""
+        tOrVt, tOrVtlo = c["tOrVt"][None, None, None, stage], c["tOrVtlo"][None, None, None, stage]
+        mma_pv = c["tiled_mma_pv"]
         gemm_chains([(mma_pv, c["tOrP_lo"], tOrVt), (mma_pv, c["tOrP_hi"], tOrVtlo), (mma_pv, c["tOrP_hi"], tOrVt)],
-                    acc_O, zero_init=False)
+                    c["acc_O"], zero_init=False)
+
+    @cute.jit
+    def gemm_pv(self, c: dict, kv_state):
+        """The PV GEMM of kv_state's block, waited for, its V stage released."""
+        wait_full(c["pipeline_v"], kv_state, True)
+        self.issue_pv(c, kv_state.index)
         warpgroup.wait_group(0)
         c["pipeline_v"].consumer_release(kv_state)
+
+    def split_P(self, c: dict):
+        # P's hi and lo parts in A operand order, out of the accumulator's registers (tf32_hi says why).
+        split_fragment(acc_as_frgA(c["acc_S"]), c["tOrP_lo"], c["tOrP_hi"])
+
+    def mask(self, c: dict, n_block, mask_seqlen: bool):
+        apply_mask(c["acc_S"], c["thr_qk"], self.cfg.tile_m, self.cfg.tile_n, c["m_block"], n_block, c["seqlen_q"],
+                   c["seqlen_k"], mask_seqlen, self.cfg.causal)
 
     @cute.jit
     def store_O(self, acc_O, tOcO_mn, mO, m_block, head, batch, seqlen_q):

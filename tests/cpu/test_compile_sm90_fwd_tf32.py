@@ -4,6 +4,7 @@ products per GEMM, register reallocation, no spills and no ptxas C751x advisory 
 test_compile_sm90_fwd.py for what each means), and its prepass. And dispatch routes exactly the
 fp32 problems it serves to it."""
 
+import dataclasses
 import re
 
 import pytest
@@ -32,16 +33,29 @@ def _wgmma_counts(ptx: str) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("head_dim,causal", VARIANTS, ids=[f"d{d}-{'causal' if c else 'full'}" for d, c in VARIANTS])
-def test_sm90_tf32_fwd_compiles_to_tma_wgmma_without_spills(head_dim, causal, monkeypatch):
+# Candidates for the first measurements, beside the dispatched kernels: the next S GEMM issued with
+# the PV GEMM (overlap); at d64 that needs Q_hi read from smem or 32-key blocks (with Q wholly in
+# registers and 64-key blocks it spills and ptxas serializes the wgmmas, C7512).
+CANDIDATES = [
+    (128, False, dict(overlap=True)), (128, True, dict(overlap=True)),
+    (64, False, dict(overlap=True, q_in_registers=False)), (64, True, dict(overlap=True, q_in_registers=False)),
+    (64, False, dict(overlap=True, tile_n=32)), (64, True, dict(overlap=True, tile_n=32)),
+]
+
+
+@pytest.mark.parametrize("head_dim,causal,changes", [(d, c, None) for d, c in VARIANTS] + CANDIDATES,
+                         ids=[f"d{d}-{'causal' if c else 'full'}" for d, c in VARIANTS]
+                         + [f"d{d}-{'causal' if c else 'full'}-" + "-".join(f"{k}={v}" for k, v in ch.items())
+                            for d, c, ch in CANDIDATES])
+def test_sm90_tf32_fwd_compiles_to_tma_wgmma_without_spills(head_dim, causal, changes, monkeypatch):
     plan = dispatch.plan_forward((9, 0), torch.float32, head_dim, causal, num_sms=132)
     assert plan.kernel_cls is FlashAttnFwdSm90Tf32 and plan.arch == "sm_90a"
-    config = plan.config
+    config = plan.config if changes is None else dataclasses.replace(plan.config, **changes)
+    assert tf32_can_implement(config)
     logs = []
     parse = compile_report_module._parse
     monkeypatch.setattr(compile_report_module, "_parse", lambda log: (logs.append(log), parse(log))[1])
-    kernel, args = plan.build()
-    report = compile_report(kernel, args, arch="sm_90a")
+    report = compile_report(FlashAttnFwdSm90Tf32(config), plan.fake_args, arch="sm_90a")
     # Only TF32 wgmma, m64 x tile_n for S and m64 x head_dim for O, and no conversion instruction:
     # the raw fp32 words are the operands' hi parts.
     counts = _wgmma_counts(report.ptx)
@@ -115,4 +129,5 @@ def test_configs_fit_and_dispatch_routes_only_what_they_serve():
         assert dispatch.plan_forward((9, 0), torch.float32, head_dim, False, num_sms=132).family == "sm80"
     assert not tf32_can_implement(Sm90Tf32FwdConfig(128, False, tile_n=64, num_stages=2))  # 256 KB
     assert not tf32_can_implement(Sm90Tf32FwdConfig(96, False))
+    assert not tf32_can_implement(Sm90Tf32FwdConfig(64, False, tile_n=48))  # V^T rows of 32-word atoms
     assert tf32_forward_config(64, False).q_in_registers and not tf32_forward_config(128, False).q_in_registers
