@@ -96,3 +96,42 @@ def test_fp32_forward_large_entries_and_strided_inputs(head_dim):
     ref_out, ref_lse = reference_attention(q, k, v)
     assert _max_err(out, ref_out) < FP32_OUT_TOLERANCE
     assert _max_err(lse, ref_lse) < LSE_TOLERANCE * (1 + ref_lse.abs().max().item())
+
+
+# Configurations compiled as candidates beside the dispatched ones (tests/cpu/test_compile_sm90_fwd_tf32.py:
+# CANDIDATES), run directly: each must meet the same bar before dispatch may pick it.
+CANDIDATES = [(128, dict(overlap=True)), (64, dict(overlap=True, q_in_registers=False)),
+              (64, dict(overlap=True, tile_n=32))]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 113, 203, 4, 4), (1, 203, 113, 4, 4), (2, 1000, 1000, 8, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("head_dim,changes", CANDIDATES,
+                         ids=[f"d{d}-" + "-".join(f"{k}={v}" for k, v in ch.items()) for d, ch in CANDIDATES])
+def test_fp32_candidate_configs(head_dim, changes, shape, causal):
+    import dataclasses
+
+    from cute_flash import dispatch, launchers
+    from cute_flash.kernels.sm90.config import tf32_forward_config
+    from cute_flash.kernels.sm90.fwd_tf32 import FlashAttnFwdSm90Tf32
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper fp32 forward's candidates run on sm_90 only")
+    config = dataclasses.replace(tf32_forward_config(head_dim, causal), **changes)
+    launch = launchers.forward_launcher(dispatch.Plan(FlashAttnFwdSm90Tf32, config,
+                                                      dispatch.fake_tf32_forward_args(head_dim), "sm_90a"))
+    batch, seqlen_q, seqlen_k, nheads, nheads_kv = shape
+    q = randn(batch, seqlen_q, nheads, head_dim, dtype=torch.float32)
+    k, v = (randn(batch, seqlen_k, nheads_kv, head_dim, dtype=torch.float32) for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, nheads, seqlen_q), float("nan"), device=q.device)
+    launch(q, k, v, out, lse, head_dim ** -0.5)
+    ref_out, ref_lse = reference_attention(q, k, v, causal=causal)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert not torch.isnan(out).any()
+    ours = _max_err(out, ref_out)
+    print(f"fp32 candidate {config}: {shape} out {ours:.2e}")
+    assert ours < FP32_OUT_TOLERANCE
+    assert _max_err(lse, ref_lse, finite) < LSE_TOLERANCE
