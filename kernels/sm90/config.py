@@ -449,6 +449,8 @@ class Sm90Tf32FwdConfig:
     q_in_registers: bool = False
     # Each block's S GEMM issued with the previous block's PV GEMM (fwd.py's intra-warp-group overlap).
     overlap: bool = False
+    # With overlap: the consumer warp groups take turns issuing their GEMMs (fwd.py's ping-pong).
+    pingpong: bool = False
 
     dtype = cutlass.Float32
 
@@ -477,7 +479,7 @@ def tf32_smem_bytes(config: Sm90Tf32FwdConfig) -> int:
 
 
 def tf32_can_implement(config: Sm90Tf32FwdConfig) -> bool:
-    if config.head_dim not in TF32_HEAD_DIMS or config.tile_m != 128:
+    if config.head_dim not in TF32_HEAD_DIMS or config.tile_m != 128 or (config.pingpong and not config.overlap):
         return False
     # V^T's smem rows are tile_n keys, K-major in 128-byte (32-word) swizzle atoms.
     if config.tile_n % 32 != 0 or not 32 <= config.tile_n <= 256 or config.num_stages < 1:

@@ -20,12 +20,14 @@ is the hi part and lo = x - trunc13(x), exact in fp32.
       P_lo = P - trunc13(P)                    (registers)
       O += P_lo V + P V_lo + P V               (wgmma: A = P's registers, B = the V^T tiles)
   The small terms go first, before the large one moves the accumulator.
+* Options (config): `overlap` issues each block's S GEMM with the previous block's PV GEMM, as
+  fwd.py does; `pingpong` makes the two consumer warp groups take turns issuing their GEMMs.
 * Epilogue: O normalized and stored from registers (fp32, clipped at seqlen_q); LSE from registers
   (epilogue.py: store_lse).
 
-Not (yet) here, unlike the 16-bit forward: persistent CTAs and tile schedules, intra-warp-group
-overlap of the next S GEMM with the current PV GEMM, inter-warp-group ping-pong, score
-modifications, dropout, packed batches; fp32 with those runs the sm80 forward.
+Not (yet) here, unlike the 16-bit forward: persistent CTAs and tile schedules, per-warp-group block
+ranges (both groups of a causal tile walk all its blocks), score modifications, dropout, packed
+batches; fp32 with those runs the sm80 forward.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from ..common.softmax import LOG2_E, OnlineSoftmax
 from .config import Sm90Tf32FwdConfig, tf32_smem_bytes
 from .epilogue import Epilogue
 from .fwd_tf32_prep import Tf32Prepass
-from .primitives import acquire_empty, f32_after, wait_full
+from .primitives import TURN_BARRIER_BASE, acquire_empty, f32_after, wait_full
 from .warpgroup_tf32 import tf32_hi, tf32_lo, tiled_mma_tf32
 
 
@@ -347,7 +349,11 @@ class FlashAttnFwdSm90Tf32:
                      tOrVt=tOrVt, tOrVtlo=tOrVtlo, acc_S=acc_S, acc_O=acc_O, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
                      thr_qk=thr_qk, softmax=softmax, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      tiled_mma_qk=tiled_mma_qk, tiled_mma_qk_hi=tiled_mma_qk_hi, tiled_mma_pv=tiled_mma_pv,
-                     pipeline_k=pipeline_k, pipeline_v=pipeline_v)
+                     pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx)
+            if const_expr(cfg.pingpong):
+                # The second warp group lets the first take the first turn.
+                if wg_idx == 1:
+                    cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE, number_of_threads=256)
             self.mainloop(c, block_ranges=BlockRanges(cfg.tile_m, cfg.tile_n, cfg.causal),
                           n_block_min=n_block_min, n_block_max=n_block_max)
 
@@ -418,9 +424,13 @@ class FlashAttnFwdSm90Tf32:
         kv_state_v = kv_state.clone()
         kv_state.advance()
         wait_full(c["pipeline_k"], kv_state, True)
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier(barrier_id=TURN_BARRIER_BASE + c["wg_idx"], number_of_threads=256)
         self.gemm_s(c, kv_state.index)
         wait_full(c["pipeline_v"], kv_state_v, True)
         self.issue_pv(c, kv_state_v.index)
+        if const_expr(self.cfg.pingpong):
+            cute.arch.barrier_arrive(barrier_id=TURN_BARRIER_BASE + 1 - c["wg_idx"], number_of_threads=256)
         warpgroup.wait_group(1)  # S is ready; the PV GEMM may still run
         c["pipeline_k"].consumer_release(kv_state)
         if const_expr(masked):

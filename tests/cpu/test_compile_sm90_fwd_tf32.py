@@ -34,12 +34,16 @@ def _wgmma_counts(ptx: str) -> dict[str, int]:
 
 
 # Candidates for the first measurements, beside the dispatched kernels: the next S GEMM issued with
-# the PV GEMM (overlap); at d64 that needs Q_hi read from smem or 32-key blocks (with Q wholly in
+# the PV GEMM (overlap), the warp groups' GEMMs in turns (pingpong); at d64 that needs Q_hi read from smem or 32-key blocks (with Q wholly in
 # registers and 64-key blocks it spills and ptxas serializes the wgmmas, C7512).
 CANDIDATES = [
     (128, False, dict(overlap=True)), (128, True, dict(overlap=True)),
     (64, False, dict(overlap=True, q_in_registers=False)), (64, True, dict(overlap=True, q_in_registers=False)),
     (64, False, dict(overlap=True, tile_n=32)), (64, True, dict(overlap=True, tile_n=32)),
+    # and the consumer warp groups taking turns to issue their GEMMs (pingpong)
+    (128, False, dict(overlap=True, pingpong=True)), (128, True, dict(overlap=True, pingpong=True)),
+    (64, False, dict(overlap=True, pingpong=True, q_in_registers=False)),
+    (64, True, dict(overlap=True, pingpong=True, q_in_registers=False)),
 ]
 
 
@@ -76,6 +80,8 @@ def test_sm90_tf32_fwd_compiles_to_tma_wgmma_without_spills(head_dim, causal, ch
     assert expect_tx_bytes(report.ptx) == {4 * config.tile_m * head_dim, 2 * tile_bytes}
     # O leaves from registers in 8-byte stores.
     assert "st.global.v2.b32" in report.ptx
+    # Ping-pong: a named barrier per warp group's turn (bar.sync / bar.arrive on ids 4 and 5).
+    assert bool(re.search(r"bar(rier)?\.(sync|arrive)[\w.]*\s+[45],", report.ptx)) == config.pingpong
     assert report.spill_bytes == 0, f"{report.spill_bytes} bytes spilled"
     assert logs, "no ptxas log"
     advisories = re.findall(r"\((C751\d)\)", logs[0])
@@ -130,4 +136,5 @@ def test_configs_fit_and_dispatch_routes_only_what_they_serve():
     assert not tf32_can_implement(Sm90Tf32FwdConfig(128, False, tile_n=64, num_stages=2))  # 256 KB
     assert not tf32_can_implement(Sm90Tf32FwdConfig(96, False))
     assert not tf32_can_implement(Sm90Tf32FwdConfig(64, False, tile_n=48))  # V^T rows of 32-word atoms
+    assert not tf32_can_implement(Sm90Tf32FwdConfig(64, False, pingpong=True))  # turns only with overlap
     assert tf32_forward_config(64, False).q_in_registers and not tf32_forward_config(128, False).q_in_registers
