@@ -17,8 +17,8 @@ is the hi part and lo = x - trunc13(x), exact in fp32.
   first, as in fwd.py):
       S  = Q_lo K + Q_hi K_lo + Q_hi K         (wgmma: A from registers or smem, B = the K tiles)
       mask, online softmax (kernels/common/softmax.py), O *= row factors
-      P_lo = P - trunc13(P)                    (registers)
-      O += P_lo V + P V_lo + P V               (wgmma: A = P's registers, B = the V^T tiles)
+      P_hi = trunc13(P), P_lo = P - P_hi       (registers of their own: warpgroup_tf32.tf32_hi)
+      O += P_lo V + P_hi V_lo + P_hi V         (wgmma: A = P's registers, B = the V^T tiles)
   The small terms go first, before the large one moves the accumulator.
 * Options (config): `overlap` issues each block's S GEMM with the previous block's PV GEMM, as
   fwd.py does; `pingpong` makes the two consumer warp groups take turns issuing their GEMMs.
@@ -320,7 +320,7 @@ class FlashAttnFwdSm90Tf32:
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
         acc_O.fill(0.0)
-        # P as the PV GEMM's A operand: its hi part (raw) and lo part, each in registers of its own.
+        # P as the PV GEMM's A operand: its hi and lo parts, in registers apart from the S accumulator.
         tOrP_hi = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tOrP_lo = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tSrQ_lo = tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((cfg.tile_m, cfg.head_dim)))
