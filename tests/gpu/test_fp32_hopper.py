@@ -39,18 +39,17 @@ def _max_err(got, exact, rows=None) -> float:
 
 
 def _sdpa_efficient(q, k, v, causal):
-    """torch's fp32 memory-efficient SDPA (TF32 off) on (B, S, H, D) tensors, flash's bottom-right
-    causal alignment through an explicit mask; rows that see no key come out NaN (not compared)."""
+    """torch's fp32 memory-efficient SDPA (TF32 off) on (B, S, H, D) tensors, with flash's
+    bottom-right causal alignment; rows that see no key are not compared."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     group = q.shape[2] // k.shape[2]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)))
     mask = None
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        i = torch.arange(sq, device=q.device)[:, None]
-        j = torch.arange(sk, device=q.device)[None, :]
-        mask = j <= i + sk - sq
+    if causal:  # torch's own bottom-right causal bias, which the efficient kernel takes natively
+        from torch.nn.attention.bias import causal_lower_right
+
+        mask = causal_lower_right(q.shape[1], k.shape[1])
     saved = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
