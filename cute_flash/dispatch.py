@@ -274,7 +274,7 @@ def plan_backward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int
     _check_dropout(dropout, varlen)
     _check_tf32_products(dtype, tf32_products)
     pre_args = (fake_bshd(cdtype, head_dim), fake_bshd(cdtype, head_dim), fake_rowstat(), fake_rowstat(),
-                fake_rowstat(), fake_stream())
+                fake_rowstat(), fake_dq_accum(), fake_stream())
     post_args = (fake_dq_accum(), fake_bshd(cdtype, head_dim), cutlass.Float32(1.0), fake_stream())
     if varlen:  # + cu_seqlens_q and max_seqlen_q before the stream
         pre_args = pre_args[:-1] + (fake_int32_vector(), cutlass.Int32(1)) + pre_args[-1:]

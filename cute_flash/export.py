@@ -57,7 +57,7 @@ DTYPE_SHORT = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 # tensors by descriptor, scalars by address. The DSL's header must say the same.
 LAUNCH_ARGUMENTS = {
     "fwd": ("mQ", "mK", "mV", "mO", "mLSE", "&softmax_scale", "&stream"),
-    "pre": ("mO", "mdO", "mLSE", "mLSElog2", "mdPsum", "&stream"),
+    "pre": ("mO", "mdO", "mLSE", "mLSElog2", "mdPsum", "mdQaccum", "&stream"),
     "main": ("mQ", "mK", "mV", "mdO", "mLSElog2", "mdPsum", "mdQaccum", "mdK", "mdV", "mdQsemaphore",
              "&softmax_scale", "&stream"),
     "post": ("mdQaccum", "mdQ", "&softmax_scale", "&stream"),

@@ -201,7 +201,8 @@ def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse,
     lse_log2 = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
     num_m_blocks = (seqlen_q + m_block - 1) // m_block
-    dq_accum = torch.zeros(batch, nheads, num_m_blocks * m_block * round_up(head_dim, 32), dtype=f32, device=device)
+    # zeroed by the preprocess, which reads O and dO row by row anyway
+    dq_accum = torch.empty(batch, nheads, num_m_blocks * m_block * round_up(head_dim, 32), dtype=f32, device=device)
     if plan.deterministic:
         semaphore = torch.zeros(batch, nheads, num_m_blocks, dtype=torch.int32, device=device)
     else:
@@ -212,7 +213,7 @@ def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse,
     else:
         dk_out, dv_out = dk, dv
     # TVM-FFI entry points: torch tensors as they are, the stream is the current torch stream.
-    pre(out, dout, lse, lse_log2, dpsum)
+    pre(out, dout, lse, lse_log2, dpsum, dq_accum)
     main(q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore, softmax_scale, *mods)
     post(dq_accum, dq, softmax_scale)
     if plan.gqa:
@@ -240,7 +241,8 @@ def backward_varlen_launcher(plan: BackwardPlan) -> Callable:
         rows = round_up(total_q + STAT_ROW_PAD * batch, STAT_ROW_PAD)
         lse_log2 = torch.empty(1, nheads, rows, dtype=f32, device=device)
         dpsum = torch.empty(1, nheads, rows, dtype=f32, device=device)
-        dq_accum = torch.zeros(1, nheads, rows * round_up(head_dim, 32), dtype=f32, device=device)
+        # each sequence's rows zeroed by the preprocess; rows between sequences are never read
+        dq_accum = torch.empty(1, nheads, rows * round_up(head_dim, 32), dtype=f32, device=device)
         if plan.deterministic:
             m_blocks = -(-max_seqlen_q // plan.m_block_size)
             semaphore = torch.zeros(batch, nheads, m_blocks, dtype=torch.int32, device=device)
@@ -251,7 +253,7 @@ def backward_varlen_launcher(plan: BackwardPlan) -> Callable:
             dv_out = torch.empty(1, total_k, nheads, head_dim, dtype=f32, device=device)
         else:
             dk_out, dv_out = dk[None], dv[None]
-        pre(out[None], dout[None], lse[None], lse_log2, dpsum, cu_seqlens_q, max_seqlen_q)
+        pre(out[None], dout[None], lse[None], lse_log2, dpsum, dq_accum, cu_seqlens_q, max_seqlen_q)
         main(q[None], k[None], v[None], dout[None], lse_log2, dpsum, dq_accum, dk_out, dv_out, semaphore,
              cu_seqlens_q, cu_seqlens_k, max_seqlen_k, softmax_scale, *mods)
         post(dq_accum, dq[None], cu_seqlens_q, max_seqlen_q, softmax_scale)

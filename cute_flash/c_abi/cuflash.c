@@ -298,13 +298,13 @@ static size_t align_up(size_t bytes) { return (bytes + WORKSPACE_ALIGN - 1) / WO
 /* The backward's workspace, one allocation of regions on WORKSPACE_ALIGN boundaries:
  *   lse_log2, dpsum  float32 [B, H, rows]: LSE in log2 and rowsum(dO * O) per query row (rows:
  *                    seq_len_q padded to cf_row_pad), written by the preprocess kernel;
- *   dq_accum         float32 [B, H, query blocks * m_block * head_dim_padded]: dQ's accumulator;
+ *   dq_accum         float32 [B, H, query blocks * m_block * head_dim_padded]: dQ's accumulator,
+ *                    zeroed by the preprocess kernel;
  *   semaphore        int32 [B, H, query blocks], deterministic variants only: whose turn it is
  *                    to add to a query block of dq_accum;
  *   dk_accum, dv_accum  float32 [B, seq_len_k, H, D], grouped-query variants only: each query
  *                    head's dK and dV, which the group-sum kernel adds per kv head into dK, dV.
- * dq_accum and the semaphore are adjacent and zeroed together; the rest is written before it is
- * read. */
+ * The semaphore is zeroed here; the rest is written before it is read. */
 typedef struct {
     cf_rows lse_log2, dpsum, dq_accum, semaphore;
     cf_bshd dk_accum, dv_accum;
@@ -325,9 +325,9 @@ static void workspace_views(const problem *p, const cf_backward_variant *variant
     offset += stat_bytes;
     w->dpsum = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)rows}, {heads * rows, rows}};
     offset += stat_bytes;
-    w->zeroed_offset = offset;
     w->dq_accum = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)accum_row}, {heads * accum_row, accum_row}};
     offset += accum_bytes;
+    w->zeroed_offset = offset;
     if (variant->deterministic) {
         w->semaphore = (cf_rows){base + offset, {p->batch, p->heads, (int32_t)m_blocks}, {heads * m_blocks, m_blocks}};
     } else {
@@ -381,11 +381,11 @@ int cuflash_attention_backward_ex(int dtype, const cuflash_tensor *dO, const cuf
     int error = _cudaMallocAsync((void **)&base, w.total_bytes, stream);
     if (error != 0) return cuda_failure(error, "the backward's workspace (cudaMallocAsync)");
     workspace_views(&p, variant, base, &w);
-    error = _cudaMemsetAsync(base + w.zeroed_offset, 0, w.zeroed_bytes, stream);
+    error = w.zeroed_bytes == 0 ? 0 : _cudaMemsetAsync(base + w.zeroed_offset, 0, w.zeroed_bytes, stream);
     code = error == 0 ? CUFLASH_SUCCESS : cuda_failure(error, "cudaMemsetAsync");
     if (code == CUFLASH_SUCCESS) {
-        void *args[7] = {&o, &d_o, &l, &w.lse_log2, &w.dpsum, &stream, NULL};
-        code = launch(variant->pre, args, 7);
+        void *args[8] = {&o, &d_o, &l, &w.lse_log2, &w.dpsum, &w.dq_accum, &stream, NULL};
+        code = launch(variant->pre, args, 8);
     }
     if (code == CUFLASH_SUCCESS) {
         /* Grouped-query: the main kernel's dK / dV are per query head, in the fp32 workspace. */

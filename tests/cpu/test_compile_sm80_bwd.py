@@ -89,7 +89,7 @@ def test_main_kernel_compiles_to_mma_sync_without_spills(variant, arch, capsys):
 
 # d = 256 on sm_90a reads dQ back in 64-column chunks.
 @pytest.mark.parametrize("dtype,head_dim,arch", [(BF16, 64, ARCH), (FP16, 40, ARCH), (BF16, 256, ARCH),
-                                                 (FP16, 256, "sm_90a")])
+                                                 (FP16, 256, "sm_90a"), (FP16, 8, ARCH), (FP32, 8, ARCH)])
 def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, capsys):
     with capsys.disabled():
         plan = backward_plan(dtype, head_dim, False, arch=arch)
@@ -97,9 +97,23 @@ def test_pre_and_post_kernels_compile_without_spills(dtype, head_dim, arch, caps
         pre = compile_report(*plan.pre.build(), arch=arch)
         post = compile_report(*plan.post.build(), arch=arch)
     assert pre.spill_bytes == 0 and post.spill_bytes == 0
-    assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the warp
+    assert "shfl.sync.bfly" in pre.ptx  # the row dot product is reduced across the row's lanes
+    assert "ld.global.v4" in pre.ptx  # O and dO arrive as 16-byte vectors
+    assert "st.global.v4" in pre.ptx  # the dQ workspace is zeroed in 16-byte vectors
     assert "ld.global.b32" in post.ptx  # the workspace is read back one float per thread, coalesced
     assert "st.global.v4" in post.ptx  # dQ leaves through smem as 16-byte vectors
+
+
+def test_preprocess_lays_out_every_head_dim():
+    """A row's 16-byte chunks over a power-of-two group of lanes that covers them, a CTA's 32 rows in
+    whole passes of its 128 threads, for every head dim and dtype the backward takes."""
+    from cute_flash.kernels.sm80.config import Sm80BwdPreConfig
+    for dtype in (BF16, FP16, FP32):
+        for head_dim in range(8, 257, 8):
+            pre = FlashAttnBwdPreprocessSm80(Sm80BwdPreConfig(dtype, head_dim))
+            assert pre.lanes_per_row * pre.chunks_per_lane >= pre.chunks == head_dim * dtype.width // 128
+            assert pre.lanes_per_row & (pre.lanes_per_row - 1) == 0 and 4 <= pre.lanes_per_row <= 32
+            assert pre.rows_per_cta % pre.rows_per_pass == 0
 
 
 # The grouped-query backward's group sum, which the C library runs (the Python package sums with

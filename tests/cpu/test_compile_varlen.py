@@ -50,7 +50,8 @@ def test_varlen_kernels_compile_without_spills(variant):
         assert "cp.async.cg.shared.global" in report.ptx and "ex2.approx" in report.ptx
         return
     plans = dispatch.plan_backward(capability, dtype, head_dim, causal, deterministic, gqa, mods=mods, varlen=True)
-    _check(plans.pre, None)
+    # each sequence's dQ workspace rows zeroed in 16-byte vectors (its packed offset is a multiple of 128 rows)
+    assert "st.global.v4" in _check(plans.pre, None).ptx
     report = _check(plans.main, mma)
     assert "red." in report.ptx and ".add.f32" in report.ptx  # dQ into the workspace
     _check(plans.post, None)

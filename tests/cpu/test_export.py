@@ -114,7 +114,7 @@ static void record(int kernel, const char *kinds, void **args, int32_t count) {
     *(int32_t *)args[count - 1] = launch_error;
 }
 static void fwd(void **args, int32_t count) { record(0, "BBBBRFS", args, count); }
-static void pre(void **args, int32_t count) { record(1, "BBRRRS", args, count); }
+static void pre(void **args, int32_t count) { record(1, "BBRRRRS", args, count); }
 static void main_(void **args, int32_t count) { record(2, "BBBBRRRBBRFS", args, count); }
 static void post(void **args, int32_t count) { record(3, "RBFS", args, count); }
 static void sum(void **args, int32_t count) { record(4, "BBBBS", args, count); }
@@ -247,7 +247,7 @@ def test_the_backward_workspace_and_its_three_launches(fake):
     dout, q, k, v, o, lse, dq, dk, dv = (ADDRESS * i for i in range(1, 10))
     assert fake.cuflash_attention_backward_bf16(dout, q, k, v, o, lse, dq, dk, dv, b, h, n, d, 0.25, 0, 0x5EED) == 0
     assert launch_order(fake) == [1, 2, 3]
-    assert list((ctypes.c_int * 8).in_dll(fake.lib, "argument_counts"))[:3] == [7, 13, 5]
+    assert list((ctypes.c_int * 8).in_dll(fake.lib, "argument_counts"))[:3] == [8, 13, 5]
     base = fake.pointer("malloc_pointer")
     stat_rows = 256  # 200 rows padded to 128
     stat_bytes = align(b * h * stat_rows * 4)
@@ -256,14 +256,15 @@ def test_the_backward_workspace_and_its_three_launches(fake):
     lse_log2 = (base, (b, h, stat_rows), (h * stat_rows, stat_rows))
     dpsum = (base + stat_bytes, (b, h, stat_rows), (h * stat_rows, stat_rows))
     dq_accum = (base + 2 * stat_bytes, (b, h, accum), (h * accum, accum))
-    assert (fake.pointer("memset_pointer"), fake.int("memset_value").value) == (dq_accum[0], 0)
-    assert ctypes.c_size_t.in_dll(fake.lib, "memset_bytes").value == b * h * accum * 4
+    # nothing to zero: the preprocess zeroes dQ's accumulator (no semaphore without deterministic)
+    assert fake.pointer("memset_pointer") is None and fake.int("memset_value").value == -1
     assert fake.pointer("freed_pointer") == base
 
     view = (h * n * d, d, n * d)
     pre = fake.seen(1)
     assert [bshd(a) for a in pre[:2]] == [(o, (b, n, h), view), (dout, (b, n, h), view)]
-    assert [rows(a) for a in pre[2:5]] == [(lse, (b, h, n), (h * n, n)), lse_log2, dpsum]
+    assert [rows(a) for a in pre[2:6]] == [(lse, (b, h, n), (h * n, n)), lse_log2, dpsum, dq_accum]
+    assert pre[6].stream == 0x5EED
     main = fake.seen(2)
     assert [bshd(a)[0] for a in main[:4]] == [q, k, v, dout]
     assert [rows(a) for a in main[4:7]] == [lse_log2, dpsum, dq_accum]
@@ -300,15 +301,15 @@ def test_the_grouped_query_backward_sums_fp32_per_head_gradients_per_group(fake,
     b, h, sq, sk, d = 2, 8, 200, 300, 64
     assert ex_backward(fake, batch=b, heads=h, kv_heads=kv_heads, seq_q=sq, seq_k=sk, head_dim=d) == 0, message(fake)
     assert launch_order(fake) == [1, 5, 3, 4]  # pre, the grouped-query main, post, the group sum
-    assert list((ctypes.c_int * 8).in_dll(fake.lib, "argument_counts"))[:4] == [7, 13, 5, 6]
+    assert list((ctypes.c_int * 8).in_dll(fake.lib, "argument_counts"))[:4] == [8, 13, 5, 6]
     base = fake.pointer("malloc_pointer")
     stat_bytes = align(b * h * 256 * 4)
     accum_bytes = b * h * (2 * 128 * 64) * 4
     dkv_bytes = align(b * sk * h * d * 4)
     assert ctypes.c_size_t.in_dll(fake.lib, "malloc_bytes").value == 2 * stat_bytes + accum_bytes + 2 * dkv_bytes
-    # Only dQ's accumulator is zeroed: the main kernel writes every element of dK / dV's workspace.
-    assert fake.pointer("memset_pointer") == base + 2 * stat_bytes
-    assert ctypes.c_size_t.in_dll(fake.lib, "memset_bytes").value == accum_bytes
+    # Nothing is zeroed here: the preprocess zeroes dQ's accumulator and the main kernel writes
+    # every element of dK / dV's workspace.
+    assert fake.pointer("memset_pointer") is None
     assert fake.pointer("freed_pointer") == base
 
     # The main kernel: K and V of kv_heads heads; dK and dV per query head, fp32, (b, seqlen_k, h)-major.
@@ -340,9 +341,9 @@ def test_the_deterministic_backward_takes_zeroed_counters_per_query_block(fake):
     accum_bytes = b * h * (m_blocks * 128 * 64) * 4
     semaphore = (base + 2 * stat_bytes + accum_bytes, (b, h, m_blocks), (h * m_blocks, m_blocks))
     assert rows(fake.seen(6)[9]) == semaphore
-    # dQ's accumulator and the counters after it are zeroed by one memset.
-    assert fake.pointer("memset_pointer") == base + 2 * stat_bytes
-    assert ctypes.c_size_t.in_dll(fake.lib, "memset_bytes").value == accum_bytes + align(b * h * m_blocks * 4)
+    # Only the counters are zeroed by a memset (the preprocess zeroes dQ's accumulator before them).
+    assert fake.pointer("memset_pointer") == base + 2 * stat_bytes + accum_bytes
+    assert ctypes.c_size_t.in_dll(fake.lib, "memset_bytes").value == align(b * h * m_blocks * 4)
     assert ctypes.c_size_t.in_dll(fake.lib, "malloc_bytes").value == (2 * stat_bytes + accum_bytes
                                                                       + align(b * h * m_blocks * 4))
 
