@@ -264,7 +264,7 @@ def _export_all(arch: str, jobs: list[KernelJob], build_dir: Path, workers: int,
 def kernel_table(arch: str, kernels: dict[str, ExportedKernel], forward: dict, backward: dict) -> str:
     """C source of the table cuflash_kernels.h declares, for the exported kernels."""
     from .device import capability_of
-    from .kernels.common.layouts import round_up
+    from .kernels.common.layouts import dq_accum_row
     from .launchers import ROW_PAD
 
     major, minor = capability_of(arch)
@@ -284,7 +284,7 @@ def kernel_table(arch: str, kernels: dict[str, ExportedKernel], forward: dict, b
         m_block = plan_of(arch, "main", dtype, head_dim, causal, gqa, deterministic).settings()["m_block_size"]
         group_sum = f"&{prefixes['sum']}" if gqa else "0"
         lines.append(f"    {{{DTYPE_CONSTANTS[dtype]}, {head_dim}, {int(causal)}, {int(gqa)}, {int(deterministic)}, "
-                     f"{m_block}, {round_up(head_dim, 32)}, &{prefixes['pre']}, &{prefixes['main']}, "
+                     f"{m_block}, {dq_accum_row(head_dim)}, &{prefixes['pre']}, &{prefixes['main']}, "
                      f"&{prefixes['post']}, {group_sum}}},")
     info = build_info(arch, forward, backward)
     lines += ["    {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0},", "};",

@@ -41,7 +41,7 @@ import torch
 
 from . import dispatch
 from .dispatch import BackwardPlan, DecodePlan, Plan
-from .kernels.common.layouts import STAT_ROW_PAD, round_up
+from .kernels.common.layouts import STAT_ROW_PAD, dq_accum_row, round_up
 from .kernels.sm90.config import Sm90FwdConfig, Sm90Tf32FwdConfig
 from .kernels.sm90.fwd_tf32_prep import padded_seqlen_k
 from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_work
@@ -202,7 +202,7 @@ def _backward_sm80(pre, main, post, plan: BackwardPlan, dout, q, k, v, out, lse,
     dpsum = torch.empty(batch, nheads, seqlen_q_pad, dtype=f32, device=device)
     num_m_blocks = (seqlen_q + m_block - 1) // m_block
     # zeroed by the preprocess, which reads O and dO row by row anyway
-    dq_accum = torch.empty(batch, nheads, num_m_blocks * m_block * round_up(head_dim, 32), dtype=f32, device=device)
+    dq_accum = torch.empty(batch, nheads, num_m_blocks * m_block * dq_accum_row(head_dim), dtype=f32, device=device)
     if plan.deterministic:
         semaphore = torch.zeros(batch, nheads, num_m_blocks, dtype=torch.int32, device=device)
     else:
@@ -242,7 +242,7 @@ def backward_varlen_launcher(plan: BackwardPlan) -> Callable:
         lse_log2 = torch.empty(1, nheads, rows, dtype=f32, device=device)
         dpsum = torch.empty(1, nheads, rows, dtype=f32, device=device)
         # each sequence's rows zeroed by the preprocess; rows between sequences are never read
-        dq_accum = torch.empty(1, nheads, rows * round_up(head_dim, 32), dtype=f32, device=device)
+        dq_accum = torch.empty(1, nheads, rows * dq_accum_row(head_dim), dtype=f32, device=device)
         if plan.deterministic:
             m_blocks = -(-max_seqlen_q // plan.m_block_size)
             semaphore = torch.zeros(batch, nheads, m_blocks, dtype=torch.int32, device=device)

@@ -54,6 +54,9 @@ Signatures (all pure layout algebra, usable inside @cute.jit / @cute.kernel code
     sequence_stat(mX, batch, head, offset) -> cute.Tensor
         The same for a (batch, heads, seqlen) row statistic (LSE), packed (1, heads, total).
 
+    dq_accum_row(head_dim) -> int
+        Elements per row of the backward's fp32 dQ workspace (the head dim padded to 32).
+
     packed_stat_offset(cu_seqlen, batch) -> Int32
         Where sequence `batch` (first packed row cu_seqlen) starts in a packed, row-padded
         workspace (the backward's LSE, D and dQ accumulator of a varlen batch): a multiple of
@@ -100,6 +103,12 @@ STAT_ROW_PAD = 128
 
 def packed_stat_offset(cu_seqlen, batch):
     return (cu_seqlen + STAT_ROW_PAD * batch) // STAT_ROW_PAD * STAT_ROW_PAD
+
+
+def dq_accum_row(head_dim: int) -> int:
+    """Elements per row of the backward's fp32 dQ workspace: the head dim padded to a multiple of
+    32 (the sm80 main kernel's dQ tiles; the preprocess zeroes, the postprocess reads such rows)."""
+    return round_up(head_dim, 32)
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -50,10 +50,10 @@ from cutlass.cute.nvgpu import cpasync, warp
 from cute_flash.kernels.common.blocks import BlockRanges, kv_head
 from cute_flash.kernels.common.entry_points import BackwardEntryPoints
 from cute_flash.kernels.common.layouts import (
+    dq_accum_row,
     gmem_tiled_copy,
     packed_stat_offset,
     reshape_acc_to_mn,
-    round_up,
     sequence_bounds,
     sequence_rows,
     sequence_stat,
@@ -100,7 +100,7 @@ class FlashAttnBwdSm80(BackwardEntryPoints):
         self.dtype = config.dtype
         self.fp32 = config.dtype is cutlass.Float32  # split TF32 (kernels/common/tf32.py), no ldmatrix
         self.head_dim = config.head_dim
-        self.head_dim_padded = round_up(config.head_dim, 32)
+        self.head_dim_padded = dq_accum_row(config.head_dim)
         self.causal = config.causal
         self.deterministic = deterministic = config.deterministic
         self.m_block_size = config.m_block_size

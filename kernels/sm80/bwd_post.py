@@ -22,7 +22,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 from cute_flash.kernels.common.layouts import (
-    gmem_tiled_copy, packed_stat_offset, round_up, sequence_bounds, sequence_rows, sequence_stat, smem_layout_atom,
+    dq_accum_row, gmem_tiled_copy, packed_stat_offset, sequence_bounds, sequence_rows, sequence_stat, smem_layout_atom,
 )
 from cute_flash.kernels.sm80.config import Sm80BwdPostConfig
 from cute_flash.kernels.common.stores import stage_acc_in_smem, store_smem_tile
@@ -40,7 +40,7 @@ class FlashAttnBwdPostprocessSm80:
         assert head_dim % 8 == 0 and head_dim <= 256
         self.dtype = dtype
         self.head_dim = head_dim
-        self.head_dim_padded = round_up(head_dim, 32)
+        self.head_dim_padded = dq_accum_row(head_dim)
         self.m_block_size = m_block_size
         self.atom_m_dq = atom_m_dq
         self.dq_chunks = dq_chunks

@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..common.layouts import STAT_ROW_PAD, VECTOR_BITS, packed_stat_offset, round_up, sequence_bounds
+from ..common.layouts import STAT_ROW_PAD, VECTOR_BITS, dq_accum_row, packed_stat_offset, sequence_bounds
 from ..common.softmax import LOG2_E
 from .config import Sm80BwdPreConfig
 
@@ -54,7 +54,7 @@ class FlashAttnBwdPreprocessSm80:
         self.chunks_per_lane = -(-self.chunks // self.lanes_per_row)
         self.rows_per_pass = self.num_threads // self.lanes_per_row
         assert self.rows_per_cta % self.rows_per_pass == 0
-        self.acc_row_elems = round_up(head_dim, 32)  # a dQ workspace row (launchers, sm80/bwd.py)
+        self.acc_row_elems = dq_accum_row(head_dim)
         self.acc_vec = VECTOR_BITS // Float32.width
 
     @cute.jit

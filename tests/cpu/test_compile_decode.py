@@ -114,7 +114,8 @@ def test_warps_along_keys_compile_without_spills(monkeypatch, arch, head_dim, pa
                                 warps_along_keys=True)
     assert plan.main.config.warps_along_keys and plan.tile_m == 16
     three = capability in dispatch.DECODE_KEYS_TILE_THREE_CAPABILITIES  # an A100's 164 KB per SM holds two
-    assert plan.ctas_per_sm == (1 if deep else dispatch.DECODE_KEYS_TILE_CTAS_PER_SM if three else dispatch.DECODE_CTAS_PER_SM)
+    resident = dispatch.DECODE_KEYS_TILE_CTAS_PER_SM if three else dispatch.DECODE_CTAS_PER_SM
+    assert plan.ctas_per_sm == (1 if deep else resident)
     wide = _compile(dispatch.plan_decode(capability, torch.bfloat16, head_dim, causal, page_size, mods,
                                          deep=deep).main, arch)
     report = _compile(plan.main, arch)
