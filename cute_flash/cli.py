@@ -18,10 +18,14 @@ KEY_INSTRUCTIONS = {
 }
 # fp32 (split TF32): TF32 MMAs fed by 32-bit loads, no ldmatrix
 FP32_KEY_INSTRUCTIONS = ("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32", "cvt.rna.tf32.f32", "cp.async")
+# fp32 on the Hopper forward: TF32 wgmma on TMA-loaded fp32 tiles
+SM90_FP32_KEY_INSTRUCTIONS = ("wgmma.mma_async.sync.aligned.m64n", ".f32.tf32.tf32", "cp.async.bulk.tensor", "setmaxnreg")
 
 
 def _key_instructions(family: str, dtype: str) -> tuple[str, ...]:
-    return FP32_KEY_INSTRUCTIONS if dtype == "float32" else KEY_INSTRUCTIONS[family]
+    if dtype == "float32":
+        return SM90_FP32_KEY_INSTRUCTIONS if family == "sm90" else FP32_KEY_INSTRUCTIONS
+    return KEY_INSTRUCTIONS[family]
 
 
 def _parse_list(text: str, kind=str):

@@ -25,8 +25,8 @@ from .device import capability_of, kernel_family, sm_count, target_arch_for
 from .errors import UnsupportedDtypeError, UnsupportedHeadDimError
 from .validate import MAX_SPLITS, check_kernel_dtype
 from .tensors import (
-    fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_rowstat, fake_score_mods,
-    fake_semaphore, fake_stream, fake_tail_split_workspace,
+    fake_block_table, fake_bshd, fake_dq_accum, fake_dropout_args, fake_int32_vector, fake_keys_major, fake_rowstat,
+    fake_score_mods, fake_semaphore, fake_stream, fake_tail_split_workspace,
 )
 
 CUTLASS_DTYPES = {torch.float16: cutlass.Float16, torch.bfloat16: cutlass.BFloat16, torch.float32: cutlass.Float32}
@@ -125,7 +125,9 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     `varlen` (packed sequences at cu_seqlens offsets) goes to the family's `call_varlen` entry
     point, with or without `mods` (their values None where off). `dropout`
     (dropout_p > 0: kernels/common/philox.py) goes to the same `call_with_mods` entry points,
-    dense batches only. `tf32_products` (fp32: tf32_products_for) to the sm80 family's fp32 kernels."""
+    dense batches only. `tf32_products` (fp32: tf32_products_for) to the fp32 kernels: on sm_90 the
+    Hopper split-TF32 forward serves fp32 with three products at head dims 64 and 128 (dense, no
+    score modifications or dropout: _plan_forward_tf32), the sm80 family's kernels the rest."""
     cdtype = cutlass_dtype(dtype)
     arch = target_arch_for(capability)
     _check_dropout(dropout, varlen)
@@ -133,6 +135,11 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     if (family or kernel_family(capability)) == "sm90":
         from .kernels.sm90.config import forward_config
         from .kernels.sm90.fwd import FlashAttnFwdSm90
+
+        if dtype == torch.float32:
+            plan = _plan_forward_tf32(head_dim, causal, arch, mods, varlen, dropout, tf32_products)
+            if plan is not None:
+                return plan
 
         config = forward_config(cdtype, head_dim, causal, length, sm_count() if num_sms is None else num_sms,
                                 **_mod_fields(causal, mods, dropout), **({"varlen": True} if varlen else {}))
@@ -163,6 +170,30 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
         return Plan(FlashAttnFwdSm80, config, args, arch)
     return Plan(FlashAttnFwdSm80, config, args[:-1] + fake_score_mods(*mods) + fake_dropout_args(dropout) + args[-1:],
                 arch, entry="call_with_mods")
+
+
+def fake_tf32_forward_args(head_dim: int) -> tuple:
+    """The compile-time arguments of the Hopper fp32 forward's `__call__`: q, k, v, out, lse, then
+    its workspace K_lo, V^T, V^T_lo (kernels/sm90/fwd_tf32_prep.py), the scale and the stream."""
+    f32 = cutlass.Float32
+    return (tuple(fake_bshd(f32, head_dim) for _ in range(4)) + (fake_rowstat(), fake_bshd(f32, head_dim),
+            fake_keys_major(f32, head_dim), fake_keys_major(f32, head_dim), f32(1.0), fake_stream()))
+
+
+def _plan_forward_tf32(head_dim: int, causal: bool, arch: str, mods, varlen: bool, dropout: bool,
+                       tf32_products: int) -> Plan | None:
+    """The Hopper split-TF32 forward (kernels/sm90/fwd_tf32.py) for fp32 with three TF32 products,
+    dense batches without score modifications or dropout, at the head dims it implements; None
+    where the sm80 family's fp32 kernels serve the call."""
+    from .kernels.sm90.config import tf32_forward_config
+    from .kernels.sm90.fwd_tf32 import FlashAttnFwdSm90Tf32
+
+    if tf32_products != 3 or mods != NO_MODS or varlen or dropout:
+        return None
+    config = tf32_forward_config(head_dim, causal)
+    if config is None:
+        return None
+    return Plan(FlashAttnFwdSm90Tf32, config, fake_tf32_forward_args(head_dim), arch)
 
 
 def _check_dropout(dropout: bool, varlen: bool) -> None:

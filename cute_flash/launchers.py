@@ -21,6 +21,10 @@ shape's tail plan after them, and reused (the last _KEPT_PLANS of them). A causa
 planned tail (planned_tail) takes its walk plan in the counters' place: made once per (device,
 problem shape) and kept.
 
+The sm90 fp32 forward (split TF32 on wgmma): a float32 workspace per call for the K_lo, V^T and
+V^T_lo operands that its prepass writes (kernels/sm90/fwd_tf32_prep.py), from torch's caching
+allocator.
+
 The sm80 backward: three launches (preprocess, main, postprocess: dispatch.BackwardPlan) around a
 float32 dQ accumulator; with grouped-query attention the main kernel writes per-query-head fp32
 dK / dV and the groups are summed here (a fixed-order torch reduction, so deterministic mode stays
@@ -38,7 +42,8 @@ import torch
 from . import dispatch
 from .dispatch import BackwardPlan, DecodePlan, Plan
 from .kernels.common.layouts import STAT_ROW_PAD, dq_accum_row, round_up
-from .kernels.sm90.config import Sm90FwdConfig
+from .kernels.sm90.config import Sm90FwdConfig, Sm90Tf32FwdConfig
+from .kernels.sm90.fwd_tf32_prep import padded_seqlen_k
 from .kernels.sm90.tile_scheduler import TailPlan, plan_walk, tail_plan, tail_work
 
 
@@ -46,6 +51,8 @@ def forward_launcher(plan: Plan) -> Callable:
     """`launch(q, k, v, out, lse, softmax_scale[, *score_mods])` for a forward plan: compiles (or
     loads) its kernel and adds the per-call arguments that kernel takes beyond these."""
     compiled = plan.compiled()
+    if isinstance(plan.config, Sm90Tf32FwdConfig):
+        return sm90_tf32_forward_launcher(compiled)
     if isinstance(plan.config, Sm90FwdConfig):
         if plan.config.varlen:
             return sm90_varlen_forward_launcher(compiled, plan.config)
@@ -128,6 +135,22 @@ def sm90_forward_launcher(compiled, config: Sm90FwdConfig) -> Callable:
                 workspace = workspace[:2] + (
                     _walk_plan(q.device.index, seqlen_q, k.shape[1], heads * batch, tile_m, tile_n, num_sms),)
         compiled(q, k, v, out, lse, *workspace, softmax_scale, whole_tiles, len(plan.units) if plan else 0, *mods)
+
+    return launch
+
+
+def sm90_tf32_forward_launcher(compiled) -> Callable:
+    """`launch(q, k, v, out, lse, softmax_scale)` for a compiled FlashAttnFwdSm90Tf32: the workspace
+    its prepass fills (K_lo, and V^T, V^T_lo with keys contiguous, padded to a multiple of 8), from
+    torch's caching allocator per call; the compiled function runs the prepass and the forward."""
+
+    def launch(q, k, v, out, lse, softmax_scale):
+        batch, seqlen_k, nheads_kv, head_dim = k.shape
+        k_lo = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+        vt_shape = (batch, nheads_kv, head_dim, padded_seqlen_k(seqlen_k))
+        vt = torch.empty(vt_shape, dtype=torch.float32, device=k.device)
+        vt_lo = torch.empty(vt_shape, dtype=torch.float32, device=k.device)
+        compiled(q, k, v, out, lse, k_lo, vt, vt_lo, softmax_scale)
 
     return launch
 

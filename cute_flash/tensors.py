@@ -92,3 +92,11 @@ def fake_int32_vector() -> cute.Tensor:
 def fake_block_table() -> cute.Tensor:
     """(batch, max_pages) int32 page indices of a paged KV cache."""
     return make_fake_tensor(cutlass.Int32, (_sym_extent(), _sym_extent()), (cute.sym_int64(), 1), assumed_align=4)
+
+
+def fake_keys_major(dtype: type[cutlass.Numeric], head_dim: int) -> cute.Tensor:
+    """A (batch, nheads_kv, head_dim, seqlen_k padded) operand, keys contiguous: the Hopper fp32
+    forward's V^T workspace (kernels/sm90/fwd_tf32_prep.py). TMA reads it: 16-byte strides."""
+    shape = (_sym_extent(), _sym_extent(), head_dim, _sym_extent())
+    stride = (_sym_stride(dtype), _sym_stride(dtype), _sym_stride(dtype), 1)
+    return make_fake_tensor(dtype, shape, stride, assumed_align=VECTOR_BYTES)

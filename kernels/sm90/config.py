@@ -424,3 +424,78 @@ def backward_config(dtype, head_dim: int, causal: bool, deterministic: bool, win
                            dropout=dropout, m_block_size=m_block_size, **tiles)
     assert backward_smem_bytes(config) <= SMEM_BYTES
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# The Hopper fp32 forward on split TF32 (kernels/sm90/fwd_tf32.py)
+
+# Head dims it implements; the others (and fp32 with one TF32 product) run the sm80 forward.
+TF32_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class Sm90Tf32FwdConfig:
+    """One Hopper split-TF32 forward kernel for fp32 inputs: per key block S = Q K^T and O += P V,
+    each as three TF32 wgmma chains (hi*lo, lo*hi, hi*hi). Q, K, K_lo, V^T, V^T_lo are fp32 tiles in
+    shared memory (4 bytes a word: a K/V stage costs 4 * 4 * tile_n * head_dim bytes)."""
+
+    head_dim: int
+    causal: bool
+    tile_m: int = 128  # rows of O per CTA: 64 per consumer warp group
+    tile_n: int = 32  # keys per block
+    num_stages: int = 2  # K/V blocks in flight
+    # Q's hi part as a register A operand as well as its lo part (else read from smem by each S GEMM):
+    # at d64 both halves take 64 registers; at d128 they would take 128.
+    q_in_registers: bool = False
+    # Each block's S GEMM issued with the previous block's PV GEMM (fwd.py's intra-warp-group overlap).
+    overlap: bool = False
+    # With overlap: the consumer warp groups take turns issuing their GEMMs (fwd.py's ping-pong).
+    pingpong: bool = False
+
+    dtype = cutlass.Float32
+
+    @property
+    def num_wg_mma(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_mma_threads(self) -> int:
+        return 128 * self.num_wg_mma
+
+    @property
+    def num_threads(self) -> int:
+        return 128 + self.num_mma_threads
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        return (24, 240)
+
+
+def tf32_smem_bytes(config: Sm90Tf32FwdConfig) -> int:
+    """Q, then K, K_lo, V^T, V^T_lo per stage, fp32; alignment and barriers."""
+    q = config.tile_m * config.head_dim * 4
+    kv = 4 * config.num_stages * config.tile_n * config.head_dim * 4
+    return q + kv + 1024
+
+
+def tf32_can_implement(config: Sm90Tf32FwdConfig) -> bool:
+    if config.head_dim not in TF32_HEAD_DIMS or config.tile_m != 128 or (config.pingpong and not config.overlap):
+        return False
+    # V^T's smem rows are tile_n keys, K-major in 128-byte (32-word) swizzle atoms.
+    if config.tile_n % 32 != 0 or not 32 <= config.tile_n <= 256 or config.num_stages < 1:
+        return False
+    return tf32_smem_bytes(config) <= SMEM_BYTES
+
+
+def tf32_forward_config(head_dim: int, causal: bool) -> Sm90Tf32FwdConfig | None:
+    """The split-TF32 kernel for fp32 at this head dim, None where the sm80 forward serves it.
+    d128: Q takes 64 KB, so two stages of 32 keys (2 KB a key with the four operand tiles) fill
+    192 KB; d64: two stages of 64 keys and Q, 160 KB, with Q wholly in registers."""
+    if head_dim == 64:
+        config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=64, num_stages=2, q_in_registers=True)
+    elif head_dim == 128:
+        config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=32, num_stages=2)
+    else:
+        return None
+    assert tf32_can_implement(config), config
+    return config

@@ -22,10 +22,14 @@ def test_families(monkeypatch):
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0)])
-def test_fp32_runs_on_the_sm80_kernels_everywhere(capability):
-    """Split TF32 lives in the sm80 kernels: fp32 plans them on the H100 too, every head dim."""
+def test_fp32_runs_on_the_sm80_kernels_but_the_hopper_forward(capability):
+    """Split TF32 lives in the sm80 kernels, but for the Hopper forward at head dims 64 and 128
+    (kernels/sm90/fwd_tf32.py): fp32 plans the sm80 kernels on the H100 for every other head dim
+    and for the backward."""
     for head_dim in range(8, 257, 8):
-        assert dispatch.plan_forward(capability, torch.float32, head_dim, True).family == "sm80"
+        hopper = capability == (9, 0) and head_dim in (64, 128)
+        family = dispatch.plan_forward(capability, torch.float32, head_dim, True, num_sms=132).family
+        assert family == ("sm90" if hopper else "sm80")
     backward = dispatch.plan_backward(capability, torch.float32, 128, False)
     assert {backward.pre.family, backward.main.family, backward.post.family} == {"sm80"}
     assert backward.main.config.dtype is cutlass.Float32

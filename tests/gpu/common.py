@@ -292,13 +292,21 @@ SM90_FORWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 """Head dims whose fp16/bf16 backward the sm90 kernels serve on an sm_90 GPU (dispatch)."""
 
+SM90_FP32_FORWARD_HEAD_DIMS = (64, 128)
+"""Head dims of the Hopper fp32 forward (kernels/sm90/fwd_tf32.py); fp32 elsewhere and the fp32
+backward run the sm80 kernels."""
+
 SHARED_KERNELS = ("FlashAttnBwdPreprocessSm80",)
 """Kernels both families use (the backward's preprocess): no family's mark."""
 
 
 def _expected_family(head_dim: int, hopper_head_dims, dtype=None) -> str:
-    if dtype == torch.float32:  # split TF32 lives in the sm80 kernels only
-        return "sm80"
+    if dtype == torch.float32:
+        # split TF32 lives in the sm80 kernels, but for the Hopper forward's (SM90_FP32_FORWARD_HEAD_DIMS,
+        # three TF32 products: torch's "highest" fp32 matmul precision)
+        if hopper_head_dims is not SM90_FORWARD_HEAD_DIMS or torch.get_float32_matmul_precision() != "highest":
+            return "sm80"
+        hopper_head_dims = SM90_FP32_FORWARD_HEAD_DIMS
     forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
     if forced:
         return forced

@@ -38,8 +38,9 @@ def inputs(config, sq, sk, batch=2):
 
 def dropout_forward_family(head_dim: int, dtype, alibi: bool = False) -> str:
     """The Hopper forward has dropout up to head dim 128, without ALiBi (its Philox rounds spill
-    beyond)."""
-    return expected_forward_family(head_dim, dtype) if head_dim <= 128 and not alibi else "sm80"
+    beyond), and not for fp32 (its split-TF32 forward has none)."""
+    hopper = head_dim <= 128 and not alibi and dtype != torch.float32
+    return expected_forward_family(head_dim, dtype) if hopper else "sm80"
 
 
 def run(q, k, v, dout, causal, p=P, seed=0, deterministic=False, **mods):
