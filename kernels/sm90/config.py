@@ -490,9 +490,11 @@ def tf32_can_implement(config: Sm90Tf32FwdConfig) -> bool:
 def tf32_forward_config(head_dim: int, causal: bool) -> Sm90Tf32FwdConfig | None:
     """The split-TF32 kernel for fp32 at this head dim, None where the sm80 forward serves it.
     d128: Q takes 64 KB, so two stages of 32 keys (2 KB a key with the four operand tiles) fill
-    192 KB; d64: two stages of 64 keys and Q, 160 KB, with Q wholly in registers."""
+    192 KB; d64: two stages of 64 keys and Q, 160 KB, the next block's S GEMM issued before this
+    block's PV GEMM (overlap). Q wholly in registers (q_in_registers) computed wrong outputs on the
+    GPU (2026-11-29, H200): not dispatched."""
     if head_dim == 64:
-        config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=64, num_stages=2, q_in_registers=True)
+        config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=64, num_stages=2, overlap=True)
     elif head_dim == 128:
         config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=32, num_stages=2)
     else:

@@ -300,13 +300,12 @@ SHARED_KERNELS = ("FlashAttnBwdPreprocessSm80",)
 """Kernels both families use (the backward's preprocess): no family's mark."""
 
 
-def _expected_family(head_dim: int, hopper_head_dims, dtype=None) -> str:
+def _expected_family(head_dim: int, hopper_head_dims, fp32_hopper_head_dims, dtype=None) -> str:
     if dtype == torch.float32:
-        # split TF32 lives in the sm80 kernels, but for the Hopper forward's (SM90_FP32_FORWARD_HEAD_DIMS,
-        # three TF32 products: torch's "highest" fp32 matmul precision)
-        if hopper_head_dims is not SM90_FORWARD_HEAD_DIMS or torch.get_float32_matmul_precision() != "highest":
+        # split TF32 lives in the sm80 kernels, but for the Hopper fp32 forward's head dims with
+        # three TF32 products (torch's "highest" fp32 matmul precision)
+        if torch.get_float32_matmul_precision() != "highest" or head_dim not in fp32_hopper_head_dims:
             return "sm80"
-        hopper_head_dims = SM90_FP32_FORWARD_HEAD_DIMS
     forced = os.environ.get("CUTE_FLASH_KERNEL_ARCH")
     if forced:
         return forced
@@ -315,11 +314,13 @@ def _expected_family(head_dim: int, hopper_head_dims, dtype=None) -> str:
 
 
 def expected_backward_family(head_dim: int, dtype=None) -> str:
-    return _expected_family(head_dim, SM90_BACKWARD_HEAD_DIMS, dtype)
+    return _expected_family(head_dim, SM90_BACKWARD_HEAD_DIMS, (), dtype)
 
 
-def expected_forward_family(head_dim: int, dtype=None) -> str:
-    return _expected_family(head_dim, SM90_FORWARD_HEAD_DIMS, dtype)
+def expected_forward_family(head_dim: int, dtype=None, plain: bool = True) -> str:
+    """`plain`: a dense call without score modifications or dropout, the only fp32 calls that the
+    Hopper fp32 forward serves."""
+    return _expected_family(head_dim, SM90_FORWARD_HEAD_DIMS, SM90_FP32_FORWARD_HEAD_DIMS if plain else (), dtype)
 
 
 def family_of(key) -> str | None:

@@ -76,7 +76,7 @@ def check_sequences(out, lse, grads, q, k, v, dout, cu_q, cu_k, causal, **mods):
 def run(q, k, v, dout, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **mods):
     """forward_varlen, then backward_varlen into NaN-poisoned gradients (rows before the first
     sequence poisoned with 7: they must keep it), each on the family dispatch promises."""
-    with served_by(expected_forward_family(q.shape[-1], q.dtype)):
+    with served_by(expected_forward_family(q.shape[-1], q.dtype, plain=False)):
         out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, **mods)
     grads = []
     for t in (q, k, v):
@@ -114,7 +114,7 @@ def test_varlen(config, causal, forward_family):
 def test_varlen_forward_head_dims(head_dim, causal):
     """The forward alone at the head dims CONFIGS leave out (each its own Hopper configuration)."""
     q, k, v, _, cu_q, cu_k, max_q, max_k = batch((torch.bfloat16, head_dim, 2, 1))
-    with served_by(expected_forward_family(head_dim, q.dtype)):
+    with served_by(expected_forward_family(head_dim, q.dtype, plain=False)):
         out, lse = varlen.forward_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal)
     check_forward_sequences(out, lse, q, k, v, cu_q, cu_k, causal)
 
@@ -204,7 +204,7 @@ def test_flash_attn_varlen_func_autograd_and_compile():
         return cute_flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, None, True, (-1, -1), 0.0,
                                                  None, True, True)
 
-    with served_by(expected_forward_family(q.shape[-1], q.dtype)):
+    with served_by(expected_forward_family(q.shape[-1], q.dtype, plain=False)):
         out, lse, probs = step(*leaves)
     with served_by(expected_backward_family(q.shape[-1], q.dtype)):
         out.backward(dout)

@@ -59,7 +59,7 @@ def kernel_problem(sq, sk, causal, mods):
 def families(head_dim, dtype):
     """The kernel families of the forward and the backward: each plain kernel's own (the Hopper
     kernels serve every modification at the head dims they take)."""
-    return expected_forward_family(head_dim, dtype), expected_backward_family(head_dim, dtype)
+    return expected_forward_family(head_dim, dtype, plain=False), expected_backward_family(head_dim, dtype)
 
 
 def check(q, k, v, dout, causal, deterministic=False, **mods):
