@@ -444,9 +444,6 @@ class Sm90Tf32FwdConfig:
     tile_m: int = 128  # rows of O per CTA: 64 per consumer warp group
     tile_n: int = 32  # keys per block
     num_stages: int = 2  # K/V blocks in flight
-    # Q's hi part as a register A operand as well as its lo part (else read from smem by each S GEMM):
-    # at d64 both halves take 64 registers; at d128 they would take 128.
-    q_in_registers: bool = False
     # Each block's S GEMM issued with the previous block's PV GEMM (fwd.py's intra-warp-group overlap).
     overlap: bool = False
     # With overlap: the consumer warp groups take turns issuing their GEMMs (fwd.py's ping-pong).
@@ -491,8 +488,7 @@ def tf32_forward_config(head_dim: int, causal: bool) -> Sm90Tf32FwdConfig | None
     """The split-TF32 kernel for fp32 at this head dim, None where the sm80 forward serves it.
     d128: Q takes 64 KB, so two stages of 32 keys (2 KB a key with the four operand tiles) fill
     192 KB; d64: two stages of 64 keys and Q, 160 KB, the next block's S GEMM issued before this
-    block's PV GEMM (overlap). Q wholly in registers (q_in_registers) computed wrong outputs on the
-    GPU (2026-11-29, H200): not dispatched."""
+    block's PV GEMM (overlap)."""
     if head_dim == 64:
         config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=64, num_stages=2, overlap=True)
     elif head_dim == 128:

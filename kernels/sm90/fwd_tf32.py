@@ -12,8 +12,8 @@ is the hi part and lo = x - trunc13(x), exact in fp32.
 * Warp group 0 is the producer: one warp issues TMA loads of Q (once), and per key block of K with
   K_lo (one mbarrier stage) and of V^T with V^T_lo (another), `num_stages` blocks deep, through
   `cutlass.pipeline.PipelineTmaAsync`. It gives its registers to the consumers (setmaxnreg).
-* Warp groups 1 and 2 are consumers, 64 rows each. Q_lo (and at d64 Q_hi too: q_in_registers)
-  sits in registers for the whole tile. Per key block, from the last one down (the masked blocks
+* Warp groups 1 and 2 are consumers, 64 rows each. Q_lo sits in registers for the whole tile, Q_hi
+  in smem. Per key block, from the last one down (the masked blocks
   first, as in fwd.py):
       S  = Q_lo K + Q_hi K_lo + Q_hi K         (wgmma: A from registers or smem, B = the K tiles)
       mask, online softmax (kernels/common/softmax.py), O *= row factors
@@ -136,9 +136,8 @@ class FlashAttnFwdSm90Tf32:
                             for t in (mQ, mK, mKlo, mO)]
         mVt, mVtlo = [cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0])) for t in (mVt, mVtlo)]
 
-        q_source = OperandSource.RMEM if const_expr(cfg.q_in_registers) else OperandSource.SMEM
-        tiled_mma_qk = tiled_mma_tf32(cfg.num_wg_mma, cfg.tile_n, OperandSource.RMEM)  # Q_lo (and Q_hi)
-        tiled_mma_qk_hi = tiled_mma_tf32(cfg.num_wg_mma, cfg.tile_n, q_source)  # Q_hi
+        tiled_mma_qk = tiled_mma_tf32(cfg.num_wg_mma, cfg.tile_n, OperandSource.RMEM)  # Q_lo
+        tiled_mma_qk_hi = tiled_mma_tf32(cfg.num_wg_mma, cfg.tile_n, OperandSource.SMEM)  # Q_hi
         tiled_mma_pv = tiled_mma_tf32(cfg.num_wg_mma, cfg.head_dim, OperandSource.RMEM)
 
         # Every operand tile K-major (32 fp32 words per 128-byte swizzled row).
@@ -324,7 +323,7 @@ class FlashAttnFwdSm90Tf32:
         tOrP_hi = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tOrP_lo = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tSrQ_lo = tiled_mma_qk.make_fragment_A(thr_qk.partition_shape_A((cfg.tile_m, cfg.head_dim)))
-        # B fragments (smem descriptors) by stage; Q_hi's A fragment when it is read from smem.
+        # B fragments (smem descriptors) by stage; Q_hi's A fragment (smem).
         tSrK = tiled_mma_qk.make_fragment_B(wg_qk.partition_B(sK_tf32))
         tSrK_hi = tiled_mma_qk_hi.make_fragment_B(wg_qk_hi.partition_B(sK_tf32))
         tSrKlo_hi = tiled_mma_qk_hi.make_fragment_B(wg_qk_hi.partition_B(sKlo_tf32))
@@ -336,15 +335,12 @@ class FlashAttnFwdSm90Tf32:
         if n_block_max > n_block_min:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             wait_full(pipeline_q, q_state, True)
-            # Q_lo from this thread's A elements of the Q tile (and Q_hi, raw, with q_in_registers).
+            # Q_lo from this thread's A elements of the Q tile.
             tSsQ = thr_qk.partition_A(sQ)
             tSrQ = cute.make_rmem_tensor_like(tSsQ, Float32)
             cute.autovec_copy(tSsQ, tSrQ)
             split_fragment(tSrQ, tSrQ_lo)
-            if const_expr(cfg.q_in_registers):
-                tSrQ_hi = cute.make_tensor(cute.recast_ptr(tSrQ.iterator, dtype=TFloat32), tSrQ.layout)
-            else:
-                tSrQ_hi = tiled_mma_qk_hi.make_fragment_A(wg_qk_hi.partition_A(sQ_tf32))
+            tSrQ_hi = tiled_mma_qk_hi.make_fragment_A(wg_qk_hi.partition_A(sQ_tf32))
             c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, tSrK=tSrK, tSrK_hi=tSrK_hi, tSrKlo_hi=tSrKlo_hi,
                      tOrVt=tOrVt, tOrVtlo=tOrVtlo, acc_S=acc_S, acc_O=acc_O, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
                      thr_qk=thr_qk, softmax=softmax, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,

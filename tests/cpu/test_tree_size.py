@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-# 64 MiB less the bundle with flash-attn-4 after scripts/slim-device-bundle.sh (64,600,045 bytes,
-# 2026-11-28), with each file counted in whole 4 KiB blocks as the transfer counts them (a tree of
+# 64 MiB less the bundle with flash-attn-4 after scripts/slim-device-bundle.sh (64,507,145 bytes,
+# 2026-11-29), with each file counted in whole 4 KiB blocks as the transfer counts them (a tree of
 # 2.21 MB in bytes, 2.49 MB in blocks, was refused beside the unslimmed bundle on 2026-11-27), and
 # ~100 KB of room for a run's carried scratch (a few scripts).
-TREE_BUDGET_BYTES = 2_400_000
+TREE_BUDGET_BYTES = 2_500_000
 BLOCK = 4096
 
 
