@@ -448,6 +448,10 @@ class Sm90Tf32FwdConfig:
     overlap: bool = False
     # With overlap: the consumer warp groups take turns issuing their GEMMs (fwd.py's ping-pong).
     pingpong: bool = False
+    # Each key block's PV GEMM into a zeroed accumulator of its own, added into O in fp32 (round to
+    # nearest): the tensor cores' accumulation rounds toward zero, a bias that grows with the number of
+    # MMAs into one accumulator (3 per 8 keys, 1,536 at 4k keys), where the FADDs' errors cancel.
+    block_accumulator: bool = False
 
     dtype = cutlass.Float32
 
@@ -480,6 +484,10 @@ def tf32_can_implement(config: Sm90Tf32FwdConfig) -> bool:
         return False
     # V^T's smem rows are tile_n keys, K-major in 128-byte (32-word) swizzle atoms.
     if config.tile_n % 32 != 0 or not 32 <= config.tile_n <= 256 or config.num_stages < 1:
+        return False
+    # d128 holds Q_lo (64 registers) and O (64): a second O for the block spilled with the causal
+    # mask (24 bytes per thread, 2026-11-29).
+    if config.block_accumulator and config.head_dim == 128 and config.causal:
         return False
     return tf32_smem_bytes(config) <= SMEM_BYTES
 

@@ -21,7 +21,10 @@ is the hi part and lo = x - trunc13(x), exact in fp32.
       O += P_lo V + P_hi V_lo + P_hi V         (wgmma: A = P's registers, B = the V^T tiles)
   The small terms go first, before the large one moves the accumulator.
 * Options (config): `overlap` issues each block's S GEMM with the previous block's PV GEMM, as
-  fwd.py does; `pingpong` makes the two consumer warp groups take turns issuing their GEMMs.
+  fwd.py does; `pingpong` makes the two consumer warp groups take turns issuing their GEMMs;
+  `block_accumulator` gives each block's PV GEMM a zeroed accumulator of its own and adds it into O
+  with fp32 adds (the tensor cores' accumulation rounds toward zero: the bias would otherwise grow
+  with the number of MMAs into O).
 * Epilogue: O normalized and stored from registers (fp32, clipped at seqlen_q); LSE from registers
   (epilogue.py: store_lse).
 
@@ -319,6 +322,9 @@ class FlashAttnFwdSm90Tf32:
         acc_S = thr_qk.make_fragment_C(thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n)))
         acc_O = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)))
         acc_O.fill(0.0)
+        # the PV GEMM's own accumulator per key block (block_accumulator), else O itself
+        acc_PV = thr_pv.make_fragment_C(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim))) \
+            if const_expr(cfg.block_accumulator) else acc_O
         # P as the PV GEMM's A operand: its hi and lo parts, in registers apart from the S accumulator.
         tOrP_hi = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         tOrP_lo = tiled_mma_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
@@ -342,7 +348,7 @@ class FlashAttnFwdSm90Tf32:
             split_fragment(tSrQ, tSrQ_lo)
             tSrQ_hi = tiled_mma_qk_hi.make_fragment_A(wg_qk_hi.partition_A(sQ_tf32))
             c = dict(tSrQ_lo=tSrQ_lo, tSrQ_hi=tSrQ_hi, tSrK=tSrK, tSrK_hi=tSrK_hi, tSrKlo_hi=tSrKlo_hi,
-                     tOrVt=tOrVt, tOrVtlo=tOrVtlo, acc_S=acc_S, acc_O=acc_O, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
+                     tOrVt=tOrVt, tOrVtlo=tOrVtlo, acc_S=acc_S, acc_O=acc_O, acc_PV=acc_PV, tOrP_hi=tOrP_hi, tOrP_lo=tOrP_lo,
                      thr_qk=thr_qk, softmax=softmax, m_block=m_block, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                      tiled_mma_qk=tiled_mma_qk, tiled_mma_qk_hi=tiled_mma_qk_hi, tiled_mma_pv=tiled_mma_pv,
                      pipeline_k=pipeline_k, pipeline_v=pipeline_v, wg_idx=wg_idx)
@@ -433,6 +439,7 @@ class FlashAttnFwdSm90Tf32:
             self.mask(c, n_block, False)
         max_scaled, row_scale = softmax.update_row_max(acc_S)
         warpgroup.wait_group(0)
+        self.add_block_PV(c)
         # The exponentials made to wait for O (fwd.py: one_block says why).
         for r in cutlass.range_constexpr(cute.size(max_scaled)):
             max_scaled[r] = f32_after(max_scaled[r], acc_O[0])
@@ -449,11 +456,17 @@ class FlashAttnFwdSm90Tf32:
                      (c["tiled_mma_qk_hi"], c["tSrQ_hi"], tSrK_hi)], c["acc_S"], zero_init=True)
 
     def issue_pv(self, c: dict, stage):
-        """O += P_lo V + P V_lo + P V (issued, not waited for)."""
+        """O += P_lo V + P V_lo + P V (issued, not waited for; with block_accumulator into acc_PV,
+        zeroed, which add_block_PV adds into O)."""
         tOrVt, tOrVtlo = c["tOrVt"][None, None, None, stage], c["tOrVtlo"][None, None, None, stage]
         mma_pv = c["tiled_mma_pv"]
         gemm_chains([(mma_pv, c["tOrP_lo"], tOrVt), (mma_pv, c["tOrP_hi"], tOrVtlo), (mma_pv, c["tOrP_hi"], tOrVt)],
-                    c["acc_O"], zero_init=False)
+                    c["acc_PV"], zero_init=self.cfg.block_accumulator)
+
+    def add_block_PV(self, c: dict):
+        """O += this block's P V, once its PV GEMM is done (block_accumulator)."""
+        if const_expr(self.cfg.block_accumulator):
+            c["acc_O"].store(c["acc_O"].load() + c["acc_PV"].load())
 
     @cute.jit
     def gemm_pv(self, c: dict, kv_state):
@@ -462,6 +475,7 @@ class FlashAttnFwdSm90Tf32:
         self.issue_pv(c, kv_state.index)
         warpgroup.wait_group(0)
         c["pipeline_v"].consumer_release(kv_state)
+        self.add_block_PV(c)
 
     def split_P(self, c: dict):
         # P's hi and lo parts in A operand order, out of the accumulator's registers (tf32_hi says why).

@@ -41,6 +41,9 @@ CANDIDATES = [
     (64, False, dict(overlap=False)), (64, True, dict(overlap=False)),
     (128, False, dict(overlap=True, pingpong=True)), (128, True, dict(overlap=True, pingpong=True)),
     (64, False, dict(pingpong=True)), (64, True, dict(pingpong=True)),
+    # each block's PV GEMM into its own accumulator, added into O by fp32 adds (block_accumulator)
+    (64, False, dict(block_accumulator=True)), (64, True, dict(block_accumulator=True)),
+    (128, False, dict(block_accumulator=True)),
 ]
 
 
@@ -134,4 +137,5 @@ def test_configs_fit_and_dispatch_routes_only_what_they_serve():
     assert not tf32_can_implement(Sm90Tf32FwdConfig(96, False))
     assert not tf32_can_implement(Sm90Tf32FwdConfig(64, False, tile_n=48))  # V^T rows of 32-word atoms
     assert not tf32_can_implement(Sm90Tf32FwdConfig(64, False, pingpong=True))  # turns only with overlap
+    assert not tf32_can_implement(Sm90Tf32FwdConfig(128, True, block_accumulator=True))  # spills
     assert tf32_forward_config(64, False).overlap and not tf32_forward_config(128, False).overlap

@@ -100,14 +100,26 @@ def test_fp32_forward_large_entries_and_strided_inputs(head_dim):
 # Configurations compiled as candidates beside the dispatched ones (tests/cpu/test_compile_sm90_fwd_tf32.py:
 # CANDIDATES), run directly: each must meet the same bar before dispatch may pick it.
 CANDIDATES = [(128, dict(overlap=True)), (64, dict(overlap=False)), (128, dict(overlap=True, pingpong=True)),
-              (64, dict(pingpong=True))]
+              (64, dict(pingpong=True)), (64, dict(block_accumulator=True)), (128, dict(block_accumulator=True))]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def _implementable_candidates():
+    import dataclasses
+
+    from cute_flash.kernels.sm90.config import tf32_can_implement, tf32_forward_config
+
+    return [(d, ch, causal) for d, ch in CANDIDATES for causal in (False, True)
+            if tf32_can_implement(dataclasses.replace(tf32_forward_config(d, causal), **ch))]
+
+
+CANDIDATE_CASES = _implementable_candidates()  # (head_dim, changes, causal)
+
+
 @pytest.mark.parametrize("shape", [(1, 113, 203, 4, 4), (1, 203, 113, 4, 4), (2, 1000, 1000, 8, 2)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("head_dim,changes", CANDIDATES,
-                         ids=[f"d{d}-" + "-".join(f"{k}={v}" for k, v in ch.items()) for d, ch in CANDIDATES])
+@pytest.mark.parametrize("head_dim,changes,causal", CANDIDATE_CASES,
+                         ids=[f"d{d}-{'causal' if c else 'full'}-" + "-".join(f"{k}={v}" for k, v in ch.items())
+                              for d, ch, c in CANDIDATE_CASES])
 def test_fp32_candidate_configs(head_dim, changes, shape, causal):
     import dataclasses
 
