@@ -23,8 +23,25 @@ SMEM_BYTES = 227 * 1024
 HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
+class ConsumerWarpGroups:
+    """The thread counts of a forward with one producer warp group and tile_m / 64 consumer
+    (MMA) warp groups of 64 rows each."""
+
+    @property
+    def num_wg_mma(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_mma_threads(self) -> int:
+        return 128 * self.num_wg_mma
+
+    @property
+    def num_threads(self) -> int:
+        return 128 + self.num_mma_threads  # one producer warp group
+
+
 @dataclass(frozen=True)
-class Sm90FwdConfig:
+class Sm90FwdConfig(ConsumerWarpGroups):
     dtype: type[cutlass.Numeric]
     head_dim: int
     causal: bool
@@ -114,19 +131,8 @@ class Sm90FwdConfig:
             q_by_group=q_by_group and (wg_epilogue or plain.separate_o or o_from_registers),
         )
 
-    # Derived, never set: what the settings above imply for the kernel's shape.
-
-    @property
-    def num_wg_mma(self) -> int:
-        return self.tile_m // 64
-
-    @property
-    def num_mma_threads(self) -> int:
-        return 128 * self.num_wg_mma
-
-    @property
-    def num_threads(self) -> int:
-        return 128 + self.num_mma_threads  # one producer warp group
+    # Derived, never set: what the settings above imply for the kernel's shape (and
+    # ConsumerWarpGroups' thread counts).
 
     @property
     def register_split(self) -> tuple[int, int]:
@@ -434,7 +440,7 @@ TF32_HEAD_DIMS = (64, 128)
 
 
 @dataclass(frozen=True)
-class Sm90Tf32FwdConfig:
+class Sm90Tf32FwdConfig(ConsumerWarpGroups):
     """One Hopper split-TF32 forward kernel for fp32 inputs: per key block S = Q K^T and O += P V,
     each as three TF32 wgmma chains (hi*lo, lo*hi, hi*hi). Q, K, K_lo, V^T, V^T_lo are fp32 tiles in
     shared memory (4 bytes a word: a K/V stage costs 4 * 4 * tile_n * head_dim bytes)."""
@@ -456,18 +462,6 @@ class Sm90Tf32FwdConfig:
     block_accumulator: bool = False
 
     dtype = cutlass.Float32
-
-    @property
-    def num_wg_mma(self) -> int:
-        return self.tile_m // 64
-
-    @property
-    def num_mma_threads(self) -> int:
-        return 128 * self.num_wg_mma
-
-    @property
-    def num_threads(self) -> int:
-        return 128 + self.num_mma_threads
 
     @property
     def register_split(self) -> tuple[int, int]:
