@@ -193,7 +193,7 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
         dV GEMM kept eight base addresses (one per 16-byte chunk of the swizzle) through the loop
         there, and ptxas spilled them (56 bytes per thread, 72 causal). The 64-row shapes keep the
         4-byte stores after the dV GEMM: stmatrix before it measured 0-4% slower at hd 128
-        (2026-11-29, H200; perf/results/h200-20261129-backward.md)."""
+        (2026-11-29, H200; perf/results/h200-20261129-run5.md)."""
         return self.cfg.shared_stats
 
     def __init__(self, config: Sm90BwdConfig):
@@ -590,13 +590,9 @@ class FlashAttnBwdSm90(BackwardEntryPoints, BackwardTransfers):
                     acc_dP_mn[r, j] = minus_dpsum
             for i in cutlass.range_constexpr(cute.size(c.acc_dP)):
                 c.acc_dP[i] = opaque_f32(c.acc_dP[i])
-            gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage],
-                 zero_init=True)
-            lse_shares = self.stat_shares(c, c.sLSE, stage)
-        else:
-            gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage],
-                 zero_init=True)
-            lse_shares = self.stat_shares(c, c.sLSE, stage)
+        gemm(c.tiled_mma_SdP, c.acc_S, c.tSrK[None, None, None, 0], c.tSrQ[None, None, None, stage], zero_init=True)
+        lse_shares = self.stat_shares(c, c.sLSE, stage)
+        if const_expr(not cfg.shared_stats):
             c.pipeline_do.consumer_wait(q_state)
         gemm(c.tiled_mma_SdP, c.acc_dP, c.tdPrV[None, None, None, 0], c.tdPrdO[None, None, None, stage],
              zero_init=not cfg.shared_stats)

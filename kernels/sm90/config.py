@@ -462,10 +462,7 @@ class Sm90Tf32FwdConfig(ConsumerWarpGroups):
     block_accumulator: bool = False
 
     dtype = cutlass.Float32
-
-    @property
-    def register_split(self) -> tuple[int, int]:
-        return (24, 240)
+    register_split = (24, 240)  # setmaxnreg: producer warp group, consumer warp groups
 
 
 def tf32_smem_bytes(config: Sm90Tf32FwdConfig) -> int:
