@@ -226,7 +226,7 @@ def measure(name, got, emulated, exact, floor) -> Verdict:
 
 
 def assert_fp32_bar(name, got, emulated, exact, tolerance):
-    """fp32 results against the bar of FP32_EMULATION_FACTOR's note."""
+    """fp32 results against the bar of FP32_EMULATION_FACTOR's note (`tolerance` row-relative)."""
     assert torch.isfinite(got).all(), f"{name} has NaN or inf (unwritten poison or a real overflow)"
     exact = exact.double()
     err = (got.double() - exact).abs()
@@ -238,10 +238,12 @@ def assert_fp32_bar(name, got, emulated, exact, tolerance):
     return err.max().item()
 
 
-def assert_within_yardstick(name, got, emulated, exact, floor):
+def assert_within_yardstick(name, got, emulated, exact, floor, fp32_score_error=0.0):
+    """`fp32_score_error`: the row-relative error fp32's split-TF32 scores add (see
+    assert_backward_accurate); the 16-bit yardstick has it in its emulation."""
     if got.dtype == torch.float32:
         tolerance = FP32_OUT_TOLERANCE if name == "out" else FP32_GRAD_TOLERANCE
-        return assert_fp32_bar(name, got, emulated, exact, tolerance)
+        return assert_fp32_bar(name, got, emulated, exact, tolerance + fp32_score_error)
     assert torch.isfinite(got).all(), f"{name} has NaN or inf (unwritten poison or a real overflow)"
     verdict = measure(name, got, emulated, exact, floor)
     assert verdict.passed, str(verdict)
@@ -280,7 +282,14 @@ def assert_backward_accurate(grads, dout, q, k, v, causal, softmax_scale=None, *
     exact = reference_grads(dout, q, k, v, scale, causal, **mods)
     out, lse = emulate_forward(q, k, v, scale, causal, **mods)
     emulated = emulate_backward(dout, q, k, v, out, lse, scale, causal, **mods)
-    return [assert_within_yardstick(name, got, emu, ref, BACKWARD_FLOOR)
+    # fp32: the backward's P = exp(S - LSE) moves by the forward's LSE error plus its own score's
+    # error, each up to FP32_DOT_TOLERANCE's bound, and every gradient is linear in P (dV) or in
+    # dS = P (dP - D). Negligible on randn inputs (~1e-5); at scores of +-1e4 (sum |q_k k_k| = 8e4
+    # at d64) it is what split TF32 leaves: dv 1.1-2.1e-3 of its size from the exact (out, lse),
+    # whichever family computes the backward (H200, 2026-11-29, perf/results/h200-20261129-run6.md).
+    score_error = (2 * FP32_DOT_TOLERANCE * scale * _abs_score_bound(q, k).max().item()
+                   if q.dtype == torch.float32 else 0.0)
+    return [assert_within_yardstick(name, got, emu, ref, BACKWARD_FLOOR, fp32_score_error=score_error)
             for name, got, emu, ref in zip(("dq", "dk", "dv"), grads, emulated, exact)]
 
 
