@@ -26,7 +26,7 @@ matmuls take it) only a_hi b_hi runs: plain TF32, ~2^-11 relative per product, a
 
     gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=None, tCrA=None, fresh_sum=False, products=3)
         acc += A @ B^T, three TF32 products per k step (one with products=1); fresh_sum sums them apart from acc first
-        (for accumulators carried across query blocks: dK, dV). B (and A unless tCrA, the fp32 A fragment
+        (for accumulators carried across many calls: dK, dV over query blocks, O over key blocks). B (and A unless tCrA, the fp32 A fragment
         in registers, is given) is read from smem through the MMA's own partition
         (thr_mma.partition_A / partition_B of the smem tile): 32-bit loads, conflict-free on the
         32-bit swizzle of `layouts.smem_layout_atom`.
@@ -137,10 +137,11 @@ def gemm_split_tf32(tiled_mma: cute.TiledMma, acc: cute.Tensor, tCsB: cute.Tenso
         target.fill(0.0)
     # B is read and split N_CHUNK atoms at a time: a whole k step of a wide B (P V at d = 256:
     # 32 atoms, 64 values, 128 with hi and lo) would not fit next to acc_O. The backward's dK and
-    # dV products (fresh_sum) read their whole k step: chunked, the d = 256 kernel for sm_90a
-    # spilled 32 bytes; whole, none (ptxas, 2026-11-28).
+    # dV products (fresh_sum, A from smem) read their whole k step: chunked, the d = 256 kernel for
+    # sm_90a spilled 32 bytes; whole, none (ptxas, 2026-11-28). The forward's P V (fresh_sum, A in
+    # registers) reads chunks: whole, its 64 x 64 tiles spilled.
     num_n = cute.size(tCsB, mode=[1])
-    chunk = num_n if cutlass.const_expr(fresh_sum) else next(
+    chunk = num_n if cutlass.const_expr(fresh_sum and tCrA is None) else next(
         c for c in range(min(num_n, N_CHUNK), 0, -1) if num_n % c == 0)
     target_chunks = cute.logical_divide(target, (None, None, chunk))
     tCsB_chunks = cute.logical_divide(tCsB, (None, chunk, None))

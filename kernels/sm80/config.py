@@ -46,6 +46,10 @@ class Sm80FwdConfig:
     # fp32 only: TF32 products per pair of operands (kernels/common/tf32.py): 3 (split TF32,
     # fp32-grade) or 1 (plain TF32: torch.get_float32_matmul_precision() "high" / "medium")
     tf32_products: int = 3
+    # fp32 only: each key block's P V summed apart from O and added into it by fp32 adds
+    # (tf32.gemm_split_tf32's fresh_sum): the tensor cores' truncating accumulation otherwise biases
+    # O by the number of MMAs into it (as the Hopper fp32 forward's block_accumulator).
+    block_accumulator: bool = False
 
     @property
     def has_mods(self) -> bool:

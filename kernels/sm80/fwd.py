@@ -54,7 +54,7 @@ from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softc
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
-from .config import Sm80FwdConfig, smem_capacity, targets_sm90
+from .config import Sm80FwdConfig, smem_capacity
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
@@ -123,6 +123,8 @@ class FlashAttnFwdSm80:
         # fp32 inputs: split TF32 products (kernels/common/tf32.py) read from smem through the
         # MMA's own partitions instead of ldmatrix
         self.fp32 = dtype is cutlass.Float32
+        if config.block_accumulator and not self.fp32:
+            raise ValueError("block_accumulator sums the split-TF32 products of fp32 inputs; 16-bit P V has none")
         self.head_dim = head_dim
         # mma k-steps are 16 wide and the swizzled smem rows 32 or 64 elements: pad head_dim
         self.tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
@@ -147,8 +149,10 @@ class FlashAttnFwdSm80:
 
     @staticmethod
     def can_implement(dtype, head_dim, causal, tile_m=128, tile_n=64, num_warps=4,
-                      num_stages=2, arch: str = "sm_80") -> bool:
+                      num_stages=2, arch: str = "sm_80", block_accumulator: bool = False) -> bool:
         if dtype not in (cutlass.Float16, cutlass.BFloat16, cutlass.Float32):
+            return False
+        if block_accumulator and dtype is not cutlass.Float32:
             return False
         if head_dim % 8 != 0 or not 8 <= head_dim <= 256:
             return False
@@ -179,7 +183,7 @@ class FlashAttnFwdSm80:
             tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, False, "sm_80")
             return dict(tiles, tile_n=tiles["tile_n"] // (4 if head_dim <= 32 else 2))
         if dtype is cutlass.Float32:
-            return FlashAttnFwdSm80._fp32_tiles(head_dim, arch)
+            return FlashAttnFwdSm80._fp32_tiles(head_dim)
         # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.
         # The key tile shrinks as head_dim grows so acc_O + acc_S fit in 255 registers.
         if head_dim <= 96:
@@ -189,18 +193,16 @@ class FlashAttnFwdSm80:
         return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
 
     @staticmethod
-    def _fp32_tiles(head_dim, arch: str) -> dict:
-        # fp32 tiles hold twice the bytes: Q + two K/V stages stay within sm80's 163 KB, and the
-        # hi/lo fragments of one k step come on top of acc_O + acc_S in the registers. Compiled for
-        # sm_90a, d72-d128 fit 32 query rows per warp, so every K/V fragment feeds two MMA rows
-        # (128 x 32: +36-38% over 64 x 64 at d128 on the H200); for sm_80 that tile spills 40-64
-        # bytes at d72, d120, d128 (docs/kernels/sm80-forward.md).
-        if head_dim <= 64:
-            return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
+    def _fp32_tiles(head_dim) -> dict:
+        # fp32 tiles hold twice the bytes: Q + two K/V stages of 64 x 64 stay within sm80's 163 KB.
+        # Up to d128 each key block's P V is summed apart from O (block_accumulator: without it O's
+        # error was 20x torch's fp32 SDPA at 4k keys), which needs a second accumulator of O's
+        # size: spill-free with 64-row tiles on sm_80 and sm_90a, not with 128 x 64 (d64: 324-768
+        # bytes spilled) or the 128 x 32 tiles sm_90a took before at d72-d128 (1.3-5.2 KB). At
+        # d > 128 the second accumulator spills even at 64 x 32 (1.6-2.8 KB; ptxas, 2026-11-29),
+        # and O there errs 4-7x torch's (docs/kernels/sm80-forward.md).
         if head_dim <= 128:
-            if targets_sm90(arch):
-                return dict(tile_m=128, tile_n=32, num_warps=4, num_stages=2)
-            return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
+            return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2, block_accumulator=True)
         return dict(tile_m=64, tile_n=32, num_warps=4, num_stages=1)
 
     # ------------------------------------------------------------------------------------------
@@ -642,7 +644,8 @@ class FlashAttnFwdSm80:
     def _gemm_pv(self, tiled_mma, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V):
         """O += P V on one V stage, P from registers (_p_operand); as _gemm_qk."""
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_O, tOsVt, tCrA=tOrP, products=self.cfg.tf32_products)
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt, tCrA=tOrP, fresh_sum=self.cfg.block_accumulator,
+                            products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
 

@@ -65,19 +65,35 @@ def test_sm80_fwd_fp32_compiles_to_split_tf32_without_spills(head_dim, causal):
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
 
 
-@pytest.mark.parametrize("head_dim,causal", [(72, False), (128, False), (120, True)], ids=str)
-def test_sm80_fwd_fp32_sm90a_tiles_compile_without_spills(head_dim, causal, monkeypatch):
-    """On the H100 / H200 (the sm80 family compiled for sm_90a) fp32 d72-d128 take 128 x 32 tiles,
-    which spill when compiled for sm_80."""
+@pytest.mark.parametrize("head_dim,causal", [(72, False), (128, False), (120, True), (64, True)], ids=str)
+def test_sm80_fwd_fp32_sums_key_blocks_apart_without_spills_on_sm90a(head_dim, causal, monkeypatch):
+    """On the H100 / H200 (the sm80 family compiled for sm_90a) fp32 up to d128 takes the same
+    64 x 64 tiles as on sm_80, with each key block's P V summed apart from O (block_accumulator):
+    the second accumulator spilled with 128-row tiles."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     tiles = FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal, arch="sm_90a")
-    assert (tiles["tile_m"], tiles["tile_n"]) == (128, 32)
-    assert FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal)["tile_m"] == 64
+    assert tiles == FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal)
+    assert (tiles["tile_m"], tiles["tile_n"], tiles["block_accumulator"]) == (64, 64, True)
     kernel = FlashAttnFwdSm80(Sm80FwdConfig(cutlass.Float32, head_dim, causal, **tiles))
     args = [fake_bshd(cutlass.Float32, head_dim) for _ in range(4)] + [fake_rowstat(), cutlass.Float32(1.0), fake_stream()]
     report = compile_report(kernel, args, arch="sm_90a")
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in report.ptx
     assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
+
+
+def test_fp32_forward_sums_key_blocks_apart_up_to_d128():
+    import torch
+
+    from cute_flash import dispatch
+
+    for capability, family in (((8, 0), None), ((9, 0), "sm80"), ((8, 6), None)):
+        for head_dim in (32, 96, 128, 256):
+            for dtype in (torch.float32, torch.bfloat16):
+                config = dispatch.plan_forward(capability, dtype, head_dim, True, family=family).config
+                assert config.block_accumulator == (dtype == torch.float32 and head_dim <= 128)
+    assert not FlashAttnFwdSm80.can_implement(cutlass.BFloat16, 64, False, tile_m=64, block_accumulator=True)
+    with pytest.raises(ValueError, match="block_accumulator"):
+        FlashAttnFwdSm80(Sm80FwdConfig(cutlass.BFloat16, 64, False, block_accumulator=True))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
