@@ -156,7 +156,7 @@ def plan_forward(capability: tuple[int, int], dtype: torch.dtype, head_dim: int,
     from .kernels.sm80.config import Sm80FwdConfig
     from .kernels.sm80.fwd import FlashAttnFwdSm80
 
-    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal, dropout, arch)
+    tiles = FlashAttnFwdSm80.default_tiles(cdtype, head_dim, causal, dropout, arch, tf32_products)
     if not FlashAttnFwdSm80.can_implement(cdtype, head_dim, causal, **tiles, arch=arch):
         raise UnsupportedDtypeError(f"no forward kernel implements dtype={dtype}, head_dim={head_dim}, causal={causal}")
     config = Sm80FwdConfig(cdtype, head_dim, causal, **tiles, **_mod_fields(causal, mods, dropout), varlen=varlen,

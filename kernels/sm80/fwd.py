@@ -54,7 +54,7 @@ from ..common.mask import alibi_head_slope, apply_alibi, apply_mask, apply_softc
 from ..common.philox import DropoutRng, apply_dropout
 from ..common.softmax import LOG2_E, OnlineSoftmax
 from ..common.tf32 import acc_as_frgA, gemm_split_tf32, tiled_mma_tf32
-from .config import Sm80FwdConfig, smem_capacity
+from .config import Sm80FwdConfig, smem_capacity, targets_sm90
 
 
 def tiled_mma_sm80(dtype, num_threads: int, atom_m: int) -> cute.TiledMma:
@@ -162,8 +162,9 @@ class FlashAttnFwdSm80:
         return smem <= smem_capacity(arch)
 
     @staticmethod
-    def default_tiles(dtype, head_dim, causal, dropout: bool = False, arch: str = "sm_80") -> dict:
-        tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, dropout, arch)
+    def default_tiles(dtype, head_dim, causal, dropout: bool = False, arch: str = "sm_80",
+                      tf32_products: int = 3) -> dict:
+        tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, dropout, arch, tf32_products)
         # sm_86 / sm_89 hold 99 KB per CTA: fewer keys per block (then one K/V stage) until it fits
         while FlashAttnFwdSm80.smem_bytes(head_dim, **tiles, dtype=dtype) > smem_capacity(arch):
             if tiles["tile_n"] > 16:
@@ -175,15 +176,15 @@ class FlashAttnFwdSm80:
         return tiles
 
     @staticmethod
-    def _tiles(dtype, head_dim, causal, dropout: bool, arch: str) -> dict:
+    def _tiles(dtype, head_dim, causal, dropout: bool, arch: str, tf32_products: int) -> dict:
         if dropout:
             # The Philox rounds need registers the plain tiles use up (249 of 255 at d = 64): half
             # the key tile of the sm_80 tiles (on every target); a quarter at d <= 32, where ptxas
             # aims at 168 registers (the causal kernel spilled 40 bytes with half).
-            tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, False, "sm_80")
+            tiles = FlashAttnFwdSm80._tiles(dtype, head_dim, causal, False, "sm_80", tf32_products)
             return dict(tiles, tile_n=tiles["tile_n"] // (4 if head_dim <= 32 else 2))
         if dtype is cutlass.Float32:
-            return FlashAttnFwdSm80._fp32_tiles(head_dim)
+            return FlashAttnFwdSm80._fp32_tiles(head_dim, arch, tf32_products)
         # 4 warps, 32 query rows each: every K/V fragment read from smem feeds two mma rows.
         # The key tile shrinks as head_dim grows so acc_O + acc_S fit in 255 registers.
         if head_dim <= 96:
@@ -193,16 +194,24 @@ class FlashAttnFwdSm80:
         return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
 
     @staticmethod
-    def _fp32_tiles(head_dim) -> dict:
-        # fp32 tiles hold twice the bytes: Q + two K/V stages of 64 x 64 stay within sm80's 163 KB.
-        # Up to d128 each key block's P V is summed apart from O (block_accumulator: without it O's
-        # error was 20x torch's fp32 SDPA at 4k keys), which needs a second accumulator of O's
-        # size: spill-free with 64-row tiles on sm_80 and sm_90a, not with 128 x 64 (d64: 324-768
-        # bytes spilled) or the 128 x 32 tiles sm_90a took before at d72-d128 (1.3-5.2 KB). At
-        # d > 128 the second accumulator spills even at 64 x 32 (1.6-2.8 KB; ptxas, 2026-11-29),
-        # and O there errs 4-7x torch's (docs/kernels/sm80-forward.md).
-        if head_dim <= 128:
+    def _fp32_tiles(head_dim, arch: str, tf32_products: int) -> dict:
+        # fp32 tiles hold twice the bytes: Q + two K/V stages stay within sm80's 163 KB.
+        # Split TF32 up to d128 sums each key block's P V apart from O (block_accumulator: without
+        # it O erred 20x torch's fp32 SDPA at 4k keys, with it 1.4-2.8x). Its second accumulator of
+        # O's size is spill-free on 64 x 64 tiles only (128 x 64 at d64 spilled 324-768 bytes,
+        # sm_90a's 128 x 32 at d72-d128 1.3-5.2 KB, 64 x 32 at d > 128 1.6-2.8 KB; ptxas,
+        # 2026-11-29), which costs 9-31% of the speed on the H200 (docs/kernels/sm80-forward.md).
+        # Plain TF32 (one product, ~2^-11 per product) keeps the faster tiles: on sm_90a d72-d128
+        # fit 32 query rows per warp, so every K/V fragment feeds two MMA rows (128 x 32: +36-38%
+        # over 64 x 64 at d128 on the H200); for sm_80 that tile spills 40-64 bytes at d72, d120, d128.
+        if head_dim <= 128 and tf32_products == 3:
             return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2, block_accumulator=True)
+        if head_dim <= 64:
+            return dict(tile_m=128, tile_n=64, num_warps=4, num_stages=2)
+        if head_dim <= 128:
+            if targets_sm90(arch):
+                return dict(tile_m=128, tile_n=32, num_warps=4, num_stages=2)
+            return dict(tile_m=64, tile_n=64, num_warps=4, num_stages=2)
         return dict(tile_m=64, tile_n=32, num_warps=4, num_stages=1)
 
     # ------------------------------------------------------------------------------------------

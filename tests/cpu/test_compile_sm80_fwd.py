@@ -1,5 +1,7 @@
 """The sm80 forward compiles (no GPU needed) to the instructions it is built from, without spills."""
 
+import dataclasses
+
 import pytest
 
 import cutlass
@@ -67,13 +69,16 @@ def test_sm80_fwd_fp32_compiles_to_split_tf32_without_spills(head_dim, causal):
 
 @pytest.mark.parametrize("head_dim,causal", [(72, False), (128, False), (120, True), (64, True)], ids=str)
 def test_sm80_fwd_fp32_sums_key_blocks_apart_without_spills_on_sm90a(head_dim, causal, monkeypatch):
-    """On the H100 / H200 (the sm80 family compiled for sm_90a) fp32 up to d128 takes the same
+    """On the H100 / H200 (the sm80 family compiled for sm_90a) split TF32 up to d128 takes the same
     64 x 64 tiles as on sm_80, with each key block's P V summed apart from O (block_accumulator):
-    the second accumulator spilled with 128-row tiles."""
+    the second accumulator spilled with 128-row tiles. Plain TF32 keeps 128 x 32 at d72-d128."""
     monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
     tiles = FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal, arch="sm_90a")
     assert tiles == FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal)
     assert (tiles["tile_m"], tiles["tile_n"], tiles["block_accumulator"]) == (64, 64, True)
+    if head_dim > 64:
+        plain = FlashAttnFwdSm80.default_tiles(cutlass.Float32, head_dim, causal, arch="sm_90a", tf32_products=1)
+        assert (plain["tile_m"], plain["tile_n"]) == (128, 32) and "block_accumulator" not in plain
     kernel = FlashAttnFwdSm80(Sm80FwdConfig(cutlass.Float32, head_dim, causal, **tiles))
     args = [fake_bshd(cutlass.Float32, head_dim) for _ in range(4)] + [fake_rowstat(), cutlass.Float32(1.0), fake_stream()]
     report = compile_report(kernel, args, arch="sm_90a")
@@ -91,6 +96,8 @@ def test_fp32_forward_sums_key_blocks_apart_up_to_d128():
             for dtype in (torch.float32, torch.bfloat16):
                 config = dispatch.plan_forward(capability, dtype, head_dim, True, family=family).config
                 assert config.block_accumulator == (dtype == torch.float32 and head_dim <= 128)
+            plain = dispatch.plan_forward(capability, torch.float32, head_dim, True, family=family, tf32_products=1)
+            assert not plain.config.block_accumulator
     assert not FlashAttnFwdSm80.can_implement(cutlass.BFloat16, 64, False, tile_m=64, block_accumulator=True)
     with pytest.raises(ValueError, match="block_accumulator"):
         FlashAttnFwdSm80(Sm80FwdConfig(cutlass.BFloat16, 64, False, block_accumulator=True))
@@ -107,12 +114,20 @@ def test_plain_tf32_runs_a_third_of_the_products(arch, monkeypatch):
     monkeypatch.setenv("CUTE_DSL_ARCH", arch)
     capability = (9, 0) if arch == "sm_90a" else (8, 0)
     mma = "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
-    for plan_of in (lambda n: dispatch.plan_forward(capability, torch.float32, 64, True, family="sm80", tf32_products=n),
+    split_forward = dispatch.plan_forward(capability, torch.float32, 64, True, family="sm80")
+    # the split forward's tiles with one product (the dispatched plain forward has larger ones)
+    same_tiles = dataclasses.replace(split_forward, config=dataclasses.replace(split_forward.config, tf32_products=1))
+    for plan_of in (lambda n: split_forward if n == 3 else same_tiles,
                     lambda n: dispatch.plan_backward(capability, torch.float32, 64, False, family="sm80",
                                                      tf32_products=n).main):
         reports = {n: compile_report(*plan_of(n).build(), arch=arch) for n in (1, 3)}
         assert reports[1].ptx.count(mma) * 3 == reports[3].ptx.count(mma) > 0
         assert reports[1].spill_bytes == 0, f"{reports[1].registers} registers, {reports[1].spill_bytes} B spilled"
+    # plain TF32 keeps 128 query rows and O as the one accumulator
+    plain = dispatch.plan_forward(capability, torch.float32, 64, True, family="sm80", tf32_products=1)
+    assert (plain.config.tile_m, plain.config.block_accumulator) == (128, False)
+    report = compile_report(*plain.build(), arch=arch)
+    assert report.spill_bytes == 0, f"{report.registers} registers, {report.spill_bytes} B spilled"
     with pytest.raises(ValueError, match="tf32_products"):
         dispatch.plan_forward(capability, torch.bfloat16, 64, True, family="sm80", tf32_products=1)
 
