@@ -457,8 +457,8 @@ class Sm90Tf32FwdConfig(ConsumerWarpGroups):
     # Each key block's PV GEMM into a zeroed accumulator of its own, added into O in fp32 (round to
     # nearest). Tensor cores have been measured to align and add by truncation (Fasi et al. 2021,
     # Volta to Ampere), a bias that grows with the MMAs into one accumulator (3 per 8 keys: 1,536 at
-    # 4k keys); the errors of the fp32 adds cancel instead. The measured fp32 error, 5e-6 at 4k keys
-    # where fp32 FFMA peers reach 2e-7, fits that bias (perf/results/h200-20261129-run5.md).
+    # 4k keys); the errors of the fp32 adds cancel instead. At 4k keys the error fell 3.6-14x, to
+    # 1.4-2.4x torch's fp32 memory-efficient SDPA (perf/results/h200-20261129-run6.md).
     block_accumulator: bool = False
 
     dtype = cutlass.Float32
