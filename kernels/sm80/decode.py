@@ -64,6 +64,9 @@ class FlashDecodeSm80(FlashAttnFwdSm80):
         # fp32 caches: split TF32 products (kernels/common/tf32.py) read from smem through the MMA's
         # own partitions, as in the forward
         self.fp32 = config.dtype is cutlass.Float32
+        # fp32 caches: P V straight into O. The forward's block accumulation (Sm80FwdConfig) is not
+        # built here yet, so O keeps the tensor cores' truncation bias over a split's keys.
+        self.block_accumulator = False
         self.head_dim = config.head_dim
         self.tile_hdim = config.head_dim if config.head_dim % 64 == 0 else (config.head_dim + 31) // 32 * 32
         self.check_hdim = self.tile_hdim != config.head_dim

@@ -125,6 +125,7 @@ class FlashAttnFwdSm80:
         self.fp32 = dtype is cutlass.Float32
         if config.block_accumulator and not self.fp32:
             raise ValueError("block_accumulator sums the split-TF32 products of fp32 inputs; 16-bit P V has none")
+        self.block_accumulator = config.block_accumulator
         self.head_dim = head_dim
         # mma k-steps are 16 wide and the swizzled smem rows 32 or 64 elements: pad head_dim
         self.tile_hdim = head_dim if head_dim % 64 == 0 else (head_dim + 31) // 32 * 32
@@ -653,7 +654,7 @@ class FlashAttnFwdSm80:
     def _gemm_pv(self, tiled_mma, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V):
         """O += P V on one V stage, P from registers (_p_operand); as _gemm_qk."""
         if cutlass.const_expr(self.fp32):
-            gemm_split_tf32(tiled_mma, acc_O, tOsVt, tCrA=tOrP, fresh_sum=self.cfg.block_accumulator,
+            gemm_split_tf32(tiled_mma, acc_O, tOsVt, tCrA=tOrP, fresh_sum=self.block_accumulator,
                             products=self.cfg.tf32_products)
         else:
             gemm_sm80(tiled_mma, acc_O, tOrP, tOrVt, tOsVt, smem_thr_copy_V)
