@@ -26,8 +26,8 @@ matmuls take it) only a_hi b_hi runs: plain TF32, ~2^-11 relative per product, a
 
     gemm_split_tf32(tiled_mma, acc, tCsB, tCsA=None, tCrA=None, fresh_sum=False, products=3)
         acc += A @ B^T, three TF32 products per k step (one with products=1); fresh_sum sums them apart from acc first
-        (for accumulators carried across many calls: dK, dV over query blocks, O over key blocks). B (and A unless tCrA, the fp32 A fragment
-        in registers, is given) is read from smem through the MMA's own partition
+        (for accumulators carried across many calls: dK, dV over query blocks, O over key blocks).
+        B (and A unless tCrA, the fp32 A fragment in registers, is given) is read from smem through the MMA's own partition
         (thr_mma.partition_A / partition_B of the smem tile): 32-bit loads, conflict-free on the
         32-bit swizzle of `layouts.smem_layout_atom`.
 

@@ -490,8 +490,8 @@ def tf32_forward_config(head_dim: int, causal: bool) -> Sm90Tf32FwdConfig | None
     d128: Q takes 64 KB, so two stages of 32 keys (2 KB a key with the four operand tiles) fill
     192 KB; d64: two stages of 64 keys and Q, 160 KB, the next block's S GEMM issued before this
     block's PV GEMM (overlap). Each block's PV GEMM has an accumulator of its own wherever that
-    fits in registers (not d128 causal): the error falls 3.6-14x, to 1.7-2.4x torch's fp32
-    memory-efficient SDPA, at -2.1% to +4.6% speed (docs/kernels/sm90-forward.md)."""
+    fits in registers (not d128 causal): the error falls 3.6-14x, to 1.4-2.4x torch's fp32
+    memory-efficient SDPA, at the same speed (docs/kernels/sm90-forward.md)."""
     if head_dim == 64:
         config = Sm90Tf32FwdConfig(head_dim, causal, tile_n=64, num_stages=2, overlap=True, block_accumulator=True)
     elif head_dim == 128:

@@ -35,7 +35,7 @@ def _wgmma_counts(ptx: str) -> dict[str, int]:
 
 # The other configurations, beside the dispatched kernels (overlap at d64, not at d128; a PV
 # accumulator per block except at d128 causal), each as measured 2026-11-29 on an H200
-# (perf/results/h200-20261129-fp32.md, h200-20261129-run6.md): the next S GEMM issued with the PV
+# (perf/results/h200-20261129-run5.md, h200-20261129-run6.md): the next S GEMM issued with the PV
 # GEMM (overlap), the warp groups' GEMMs in turns (pingpong), PV straight into O (no block_accumulator).
 _SHARED_O = dict(block_accumulator=False)
 CANDIDATES = [
