@@ -1,7 +1,7 @@
 """fp32 inputs (split TF32 on the sm80 kernels) against the float64 reference: the design's bar,
 max abs error < 1e-3 for out and < 2e-3 for dq, dk, dv on randn inputs, through every public entry.
-Each case also measures torch's fp32 memory-efficient SDPA (TF32 off) on the same inputs and
-prints both errors (run with -s to see them)."""
+Each case also measures torch's fp32 memory-efficient SDPA (TF32 off) on the same inputs, prints
+both errors (run with -s to see them) and holds ours within PEER_FACTOR of that peer's."""
 
 import pytest
 import torch
@@ -17,6 +17,14 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = [(1, 1, 8, 32), (2, 4, 64, 64), (1, 8, 128, 64), (4, 2, 32, 128), (2, 2, 100, 64)]
 SEQLENS = [1, 2, 7, 17, 33, 63, 65, 100, 127, 129, 257]
+
+
+# The issue's accuracy bar: within 10x the most accurate fp32 peer's error on the same inputs, plus
+# PEER_FLOOR where both are at fp32's rounding (a one-key row's dq is exactly zero for torch). On
+# the H200 (2026-11-29) the worst case was 7.2x (out, d256 causal, where O keeps the tensor cores'
+# truncation bias); before each key block's P V was summed apart, d64 at 4k keys was 20x.
+PEER_FACTOR = 10.0
+PEER_FLOOR = 1e-6
 
 
 def _max_err(got, exact) -> float:
@@ -51,7 +59,11 @@ def check_case(batch, nheads, seqlen, head_dim, causal, peer=True):
     if peer:
         theirs = [_max_err(t, r) for t, r in zip(_sdpa_efficient(q, k, v, dout, causal), [ref_out, *ref_grads])]
         line += "; torch efficient " + " ".join(f"{e:.2e}" for e in theirs)
-    print(line)
+        print(line)
+        for name, e_ours, e_theirs in zip(("out", "dq", "dk", "dv"), ours, theirs):
+            assert e_ours <= PEER_FACTOR * e_theirs + PEER_FLOOR, f"{name}: {line}"
+    else:
+        print(line)
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 1e-4
