@@ -11,6 +11,7 @@ import torch
 
 from cute_flash import reference_attention
 
+from ..cpu.test_compile_sm90_fwd_tf32 import CANDIDATES as CPU_CANDIDATES
 from .common import FP32_OUT_TOLERANCE, randn, run_forward
 
 pytestmark = pytest.mark.gpu
@@ -97,29 +98,9 @@ def test_fp32_forward_large_entries_and_strided_inputs(head_dim):
     assert _max_err(lse, ref_lse) < LSE_TOLERANCE * (1 + ref_lse.abs().max().item())
 
 
-# Configurations compiled as candidates beside the dispatched ones (tests/cpu/test_compile_sm90_fwd_tf32.py:
-# CANDIDATES), run directly: each must meet the same bar before dispatch may pick it.
-# Each pins block_accumulator=False where the dispatched kernel has it (all but d128 causal).
-CANDIDATES = [(128, dict(overlap=True)), (64, dict(overlap=False)), (128, dict(overlap=True, pingpong=True)),
-              (64, dict(pingpong=True)), (64, dict()), (128, dict())]
-
-
-def _implementable_candidates():
-    import dataclasses
-
-    from cute_flash.kernels.sm90.config import tf32_can_implement, tf32_forward_config
-
-    cases = []
-    for d, ch in CANDIDATES:
-        for causal in (False, True):
-            shared_o = dict(block_accumulator=False) if tf32_forward_config(d, causal).block_accumulator else {}
-            changes = {**ch, **shared_o}
-            if changes and tf32_can_implement(dataclasses.replace(tf32_forward_config(d, causal), **changes)):
-                cases.append((d, changes, causal))
-    return cases
-
-
-CANDIDATE_CASES = _implementable_candidates()  # (head_dim, changes, causal)
+# The configurations compiled as candidates beside the dispatched ones (the CPU compile test's
+# list), run directly: each must meet the same bar before dispatch may pick it.
+CANDIDATE_CASES = [(d, changes, causal) for d, causal, changes in CPU_CANDIDATES]  # (head_dim, changes, causal)
 
 
 @pytest.mark.parametrize("shape", [(1, 113, 203, 4, 4), (1, 203, 113, 4, 4), (2, 1000, 1000, 8, 2)],
